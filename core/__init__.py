@@ -1,0 +1,1 @@
+"""The minimal core: contracts (config, hookspecs, requests) and the mechanisms that are not a choice."""

@@ -1,0 +1,150 @@
+"""The pool of KV-cache blocks: an O(1) free queue, ref counts, and the prefix-cache hash map.
+
+Invariants (checked by tests/test_kv_cache_stateful.py after every operation):
+- a block is in the free queue iff its ``ref_cnt`` is 0;
+- ``ref_cnt`` equals the number of requests whose block table holds the block;
+- ``block.block_hash`` is set iff ``cached_block_hash_to_block[block.block_hash] is block``;
+  a free block keeps its hash (still a cache hit) until it is reallocated, then it is evicted.
+
+Order of the free queue: allocation pops from the front; freed blocks are appended to the tail.
+Callers free a request's blocks tail-first, so the least recently used blocks, and of one
+sequence its last blocks, are evicted first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from typing import Iterable
+
+
+class KVCacheBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: bytes | None = None
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hashed={self.block_hash is not None})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks with O(1) popleft, append and remove-from-the-middle
+    (the last is what a prefix-cache hit on a free block needs)."""
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self._head = KVCacheBlock(-1)  # sentinels: no None checks on the hot path
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free
+        if block is self._tail:
+            raise ValueError("no free blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        last = self._tail.prev_free
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def __iter__(self):
+        block = self._head.next_free
+        while block is not self._tail:
+            yield block
+            block = block.next_free
+
+    def __len__(self) -> int:
+        return self.num_free_blocks
+
+
+def hash_block_tokens(parent_hash: bytes | None, token_ids: Iterable[int], extra_keys: tuple = ()) -> bytes:
+    """Chained block hash: H(parent hash, this block's token ids, extra keys such as a cache
+    salt). SHA-256 so that hashes agree across processes and collisions are not a concern."""
+    h = hashlib.sha256(parent_hash or b"\0")
+    h.update(array("q", token_ids).tobytes())
+    if extra_keys:
+        h.update(repr(extra_keys).encode())
+    return h.digest()
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_block_queue = FreeBlockQueue(self.blocks)
+        self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
+        self.num_evictions = 0
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        return 1.0 - self.get_num_free_blocks() / self.num_blocks
+
+    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Pop ``num_blocks`` from the front of the free queue (evicting their cached hashes) and
+        give each one reference."""
+        if num_blocks > self.free_block_queue.num_free_blocks:
+            raise ValueError(f"cannot allocate {num_blocks} blocks, {self.get_num_free_blocks()} free")
+        out = []
+        for _ in range(num_blocks):
+            block = self.free_block_queue.popleft()
+            if block.block_hash is not None:
+                del self.cached_block_hash_to_block[block.block_hash]
+                block.block_hash = None
+                self.num_evictions += 1
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take one more reference on cache hits; a hit on a free block takes it out of the queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference from each; blocks reaching 0 go to the tail in the given order."""
+        for block in ordered_blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_block_queue.append(block)
+
+    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
+        """Register a full block under its hash. If another block already holds that hash (two
+        requests computed the same content), the existing one stays the cached copy."""
+        if block.block_hash is not None or block_hash in self.cached_block_hash_to_block:
+            return
+        block.block_hash = block_hash
+        self.cached_block_hash_to_block[block_hash] = block
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.cached_block_hash_to_block.values():
+            block.block_hash = None
+        self.cached_block_hash_to_block.clear()

@@ -1,0 +1,266 @@
+"""Typed engine configuration.
+
+One ``EngineConfig`` with nested sections. Sources, highest first::
+
+    CLI flags  >  PAGED_* environment (nested with "__")  >  --config FILE (TOML/YAML)  >  defaults
+
+e.g. ``--policy=priority``, ``PAGED_SCHEDULER__POLICY=priority`` and ``[scheduler] policy =
+"priority"`` set the same field. The file is merged as data, never turned back into flags.
+Unknown keys are errors everywhere. Plugin names and plugin options are checked against the
+loaded plugins by ``resolve_plugins``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from paged.core.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    model: str | None = Field(
+        None, description="HF model directory or .gguf file; unset = the embedded SmolLM2-135M-Instruct"
+    )
+    tokenizer: str | None = Field(None, description="tokenizer directory (default: the model's)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="weights and activations; auto = the checkpoint's dtype on GPU, float32 on CPU"
+    )
+    max_model_len: int | None = Field(None, gt=0, description="prompt + output limit (default: the model's)")
+
+
+class CacheConfig(_Section):
+    block_size: int = Field(16, description="tokens per KV block (a power of two, 1..256)")
+    enable_prefix_caching: bool = True
+    kv_cache_memory_gib: float | None = Field(
+        None, gt=0, description="KV budget on a CPU, GiB (default 1.0); on a GPU see gpu_memory_utilization"
+    )
+    num_blocks: int | None = Field(None, gt=0, description="force the number of KV blocks (tests, experiments)")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v < 1 or v > 256 or v & (v - 1):
+            raise ValueError(f"must be a power of two between 1 and 256, got {v}")
+        return v
+
+
+class SchedulerConfig(_Section):
+    policy: str = Field("fcfs", description="scheduling policy plugin (paged plugins lists them)")
+    policy_options: dict[str, Any] = Field(default_factory=dict, description="the policy's typed options")
+    max_num_seqs: int = Field(128, gt=0, description="most requests running at once")
+    max_num_batched_tokens: int = Field(2048, gt=0, description="token budget of one step")
+    long_prefill_token_threshold: int = Field(0, ge=0, description="cap of one prefill chunk; 0 = no cap")
+    enable_chunked_prefill: bool = True
+
+
+class AttentionConfig(_Section):
+    backend: str = Field("auto", description="attention backend plugin; auto = best available")
+    options: dict[str, Any] = Field(default_factory=dict, description="the backend's typed options")
+
+
+class ParallelConfig(_Section):
+    tensor_parallel_size: int = Field(1, gt=0)
+    data_parallel_size: int = Field(1, gt=0)
+
+
+class ServerConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_key: str | None = None
+    served_model_name: str | None = None
+
+
+_config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar("paged_config_file", default=None)
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--config: no such file {str(path)!r}")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text) or {}
+        else:
+            raise ConfigError(f"--config: {str(path)!r} must end in .toml, .yaml or .yml")
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"--config: cannot parse {str(path)!r}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config: {str(path)!r} must hold a table of settings, got {type(data).__name__}")
+    return data
+
+
+class _FileSource(PydanticBaseSettingsSource):
+    """The --config file as a settings source (below the environment)."""
+
+    def get_field_value(self, field, field_name):  # unused: __call__ returns the whole mapping
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        path = _config_file.get()
+        return read_config_file(path) if path is not None else {}
+
+
+class EngineConfig(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="PAGED_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_assignment=True,
+        nested_model_default_partial_update=True,
+    )
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    attention: AttentionConfig = Field(default_factory=AttentionConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings):
+        return (init_settings, env_settings, _FileSource(settings_cls))
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def format_validation_error(error: ValidationError, prefix: str = "") -> str:
+    lines = []
+    for item in error.errors():
+        loc = ".".join(str(p) for p in item["loc"])
+        loc = f"{prefix}{loc}" if loc else prefix.rstrip(".") or "config"
+        value = item.get("input")
+        shown = "" if item["type"] == "missing" or isinstance(value, dict) else f" (got {value!r})"
+        msg = item["msg"]
+        if item["type"] == "extra_forbidden":
+            msg = "unknown setting"
+        lines.append(f"{loc}: {msg}{shown}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def load_config(config_file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> EngineConfig:
+    """Build the effective config. ``overrides`` (nested dict, from CLI flags or ``LLM(**kw)``)
+    win over the environment, which wins over the file."""
+    token = _config_file.set(Path(config_file) if config_file is not None else None)
+    try:
+        return EngineConfig(**(overrides or {}))
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e)) from None
+    finally:
+        _config_file.reset(token)
+
+
+# --- flat CLI flags <-> nested fields -------------------------------------------------------
+# Every field of every section gets a flag; a few get the short names users type.
+FLAG_ALIASES = {
+    ("scheduler", "policy"): "policy",
+    ("attention", "backend"): "attention",
+    ("model", "model"): "model",
+    ("cache", "num_blocks"): "num-kv-blocks",
+}
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str  # without the leading dashes
+    section: str | None
+    field: str
+    annotation: Any
+    help: str
+
+
+def config_flags() -> list[Flag]:
+    flags: list[Flag] = []
+    for name, info in EngineConfig.model_fields.items():
+        section_cls = info.annotation
+        if isinstance(section_cls, type) and issubclass(section_cls, BaseModel):
+            for fname, finfo in section_cls.model_fields.items():
+                if fname in ("policy_options", "options"):
+                    continue  # set with --policy-option / --attention-option KEY=VALUE
+                flag = FLAG_ALIASES.get((name, fname), fname.replace("_", "-"))
+                flags.append(Flag(flag, name, fname, finfo.annotation, finfo.description or ""))
+        else:
+            flags.append(Flag(name.replace("_", "-"), None, name, info.annotation, info.description or ""))
+    return flags
+
+
+def parse_key_values(items: list[str] | None, flag: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--{flag}: expected KEY=VALUE, got {item!r}")
+        out[key.strip()] = value
+    return out
+
+
+# --- plugin names and options ---------------------------------------------------------------
+@dataclass(frozen=True)
+class ResolvedPlugins:
+    policy: Any  # PolicySpec
+    policy_options: BaseModel | None
+    attention: Any  # AttentionBackendSpec
+    attention_options: BaseModel | None
+
+
+def _validate_options(spec: Any, options: dict[str, Any], field_name: str) -> BaseModel | None:
+    if spec.options is None:
+        if options:
+            raise ConfigError(f"{field_name}: {spec.name!r} takes no options, got {sorted(options)}")
+        return None
+    try:
+        return spec.options.model_validate(options)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, prefix=f"{field_name}.")) from None
+
+
+def resolve_plugins(config: EngineConfig, registry=None, device: str = "cpu") -> ResolvedPlugins:
+    """Check ``--policy`` and ``--attention`` against the loaded plugins and validate their
+    options. ``attention=auto`` picks the available backend with the highest auto_priority."""
+    from paged.core.plugins import get_registry
+
+    registry = registry or get_registry()
+    policy = registry.policy(config.scheduler.policy)
+    policy_options = _validate_options(policy, config.scheduler.policy_options, "scheduler.policy_options")
+    if config.attention.backend == "auto":
+        ranked = sorted(registry.attention_backends.values(), key=lambda s: -s.auto_priority)
+        usable = [s for s in ranked if s.is_available(device)[0]]
+        if not usable:
+            raise ConfigError(f"attention.backend: no backend is available on {device!r}")
+        attention = usable[0]
+    else:
+        attention = registry.attention_backend(config.attention.backend)
+        ok, reason = attention.is_available(device)
+        if not ok:
+            working = [s.name for s in registry.attention_backends.values() if s.is_available(device)[0]]
+            raise ConfigError(
+                f"attention.backend: {attention.name!r} cannot run here: {reason}. "
+                f"Backends that work on this machine: {', '.join(working) or '(none)'}."
+            )
+    attention_options = _validate_options(attention, config.attention.options, "attention.options")
+    return ResolvedPlugins(policy, policy_options, attention, attention_options)
+
+
+def dump_config(config: EngineConfig, fmt: str = "yaml") -> str:
+    data = config.to_dict()
+    if fmt == "json":
+        return json.dumps(data, indent=2)
+    return yaml.safe_dump(data, sort_keys=False)

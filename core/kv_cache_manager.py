@@ -1,0 +1,146 @@
+"""Per-request block tables on top of the block pool: prefix lookup, allocation, free.
+
+A request's ``block_table`` covers its computed tokens plus the tokens scheduled this step. Full
+blocks are registered in the prefix cache as soon as their tokens are known and scheduled: the
+step writes their K/V before any attention reads them (every layer writes the whole batch's K/V
+first), so a request admitted later in the same step may already share them (n > 1 samples,
+identical prompts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paged.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from paged.core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up at admission
+    hits: int = 0  # of which found in the cache
+    requests: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_tables: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are registered in the cache already.
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    # --- queries -----------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.block_tables.get(request_id, ())]
+
+    def update_block_hashes(self, request: Request) -> None:
+        """Extend ``request.block_hashes`` to every full block of its known tokens."""
+        if not self.enable_caching:
+            return
+        hashes = request.block_hashes
+        tokens = request.all_token_ids
+        bs = self.block_size
+        for i in range(len(hashes), len(tokens) // bs):
+            parent = hashes[i - 1] if i else None
+            extra = (request.cache_salt,) if i == 0 and request.cache_salt else ()
+            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra))
+
+    def get_computed_blocks(self, request: Request, record_stats: bool = True) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of a waiting request: (blocks, number of tokens).
+
+        Never the whole sequence: at least its last token is computed again, to get logits."""
+        if not self.enable_caching:
+            return [], 0
+        self.update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        num_tokens = len(blocks) * self.block_size
+        if record_stats:
+            self.prefix_cache_stats.requests += 1
+            self.prefix_cache_stats.queries += request.num_tokens
+            self.prefix_cache_stats.hits += num_tokens
+        return blocks, num_tokens
+
+    def num_blocks_to_allocate(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] = ()
+    ) -> int:
+        """Free blocks that ``allocate_slots`` would consume (hits on free blocks count too)."""
+        held = len(self.block_tables.get(request.request_id, ())) + len(new_computed_blocks)
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        needed = cdiv(num_computed + num_new_tokens, self.block_size) - held
+        revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        return max(needed, 0) + revived
+
+    # --- mutations ---------------------------------------------------------------------
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] = ()
+    ) -> list[KVCacheBlock] | None:
+        """Give ``request`` slots for ``num_new_tokens`` more tokens (after its computed tokens
+        and any prefix-cache hits in ``new_computed_blocks``). All or nothing: returns the newly
+        allocated blocks, or None (and changes nothing) if the free blocks do not suffice."""
+        if self.num_blocks_to_allocate(request, num_new_tokens, new_computed_blocks) > self.num_free_blocks:
+            return None
+        table = self.block_tables.setdefault(request.request_id, [])
+        if new_computed_blocks:
+            self.block_pool.touch(new_computed_blocks)
+            table.extend(new_computed_blocks)
+            self.num_cached_blocks[request.request_id] = len(table)
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(table)
+        new_blocks = self.block_pool.get_new_blocks(needed) if needed > 0 else []
+        table.extend(new_blocks)
+        if self.enable_caching:
+            self._cache_full_blocks(request, table, num_computed + num_new_tokens)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, table: list[KVCacheBlock], num_tokens: int) -> None:
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        end = min(num_tokens, request.num_tokens) // self.block_size
+        if end <= start:
+            return
+        self.update_block_hashes(request)
+        for i in range(start, end):
+            self.block_pool.cache_block(table[i], request.block_hashes[i])
+        self.num_cached_blocks[request.request_id] = end
+
+    def free(self, request: Request) -> None:
+        """Release every block of the request, tail first (so its last blocks are evicted first)."""
+        table = self.block_tables.pop(request.request_id, None)
+        self.num_cached_blocks.pop(request.request_id, None)
+        if table:
+            self.block_pool.free_blocks(reversed(table))
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached hash; only allowed when no request holds blocks."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        self.block_pool.reset_prefix_cache()
+        return True

@@ -1,0 +1,214 @@
+"""Plugin discovery and the registries it fills.
+
+Plugins are modules named by entry points of the ``paged`` group (the bundled ones too). Loading
+happens once per process (``get_registry()``); the hooks are called here and never again, so the
+registries hold plain specs that the engine uses directly.
+
+A plugin that fails to import or whose hook raises is recorded as failed with one warning; the
+others still load. Two plugins that register the same name are an error naming both.
+``PAGED_PLUGINS`` (allow list) and ``PAGED_DISABLE_PLUGINS`` (deny list) are comma-separated
+entry-point names.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.metadata as md
+import os
+import warnings
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Iterable
+
+import pluggy
+
+from paged.core.errors import ConfigError, PluginError
+from paged.core.hookspecs import (
+    ENTRY_POINT_GROUP,
+    PROJECT,
+    AttentionBackendSpec,
+    ModelSpec,
+    PagedHookSpecs,
+    PolicySpec,
+)
+
+# hook name -> (registry kind shown to users, attribute that names a spec)
+_KINDS = {
+    "register_policies": ("policies", "name"),
+    "register_attention_backends": ("attention_backends", "name"),
+    "register_models": ("models", "architecture"),
+}
+
+
+@dataclass
+class PluginInfo:
+    name: str
+    distribution: str | None
+    version: str | None
+    module: str
+    status: str = "ok"  # "ok" | "failed" | "disabled"
+    error: str | None = None
+    provides: dict[str, list[str]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "distribution": self.distribution,
+            "version": self.version,
+            "module": self.module,
+            "status": self.status,
+            "error": self.error,
+            "provides": self.provides,
+        }
+
+
+@dataclass
+class Registry:
+    """What the loaded plugins provide, by kind and name, and who provided it."""
+
+    policies: dict[str, PolicySpec] = field(default_factory=dict)
+    attention_backends: dict[str, AttentionBackendSpec] = field(default_factory=dict)
+    models: dict[str, ModelSpec] = field(default_factory=dict)
+    owner: dict[tuple[str, str], str] = field(default_factory=dict)  # (kind, name) -> plugin
+    plugins: list[PluginInfo] = field(default_factory=list)
+
+    def _failed_hint(self) -> str:
+        failed = [p for p in self.plugins if p.status == "failed"]
+        if not failed:
+            return ""
+        parts = [f"plugin '{p.name}' ({p.distribution or p.module}) failed to load: {p.error}" for p in failed]
+        return " Note: " + "; ".join(parts) + "."
+
+    def _lookup(self, kind: str, field_name: str, name: str) -> Any:
+        table: dict[str, Any] = getattr(self, kind)
+        if name in table:
+            return table[name]
+        available = sorted(table)
+        close = difflib.get_close_matches(name, available, n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(
+            f"{field_name}: unknown value {name!r}.{hint} Available: {', '.join(available) or '(none)'}."
+            + self._failed_hint()
+        )
+
+    def policy(self, name: str) -> PolicySpec:
+        return self._lookup("policies", "scheduler.policy", name)
+
+    def attention_backend(self, name: str) -> AttentionBackendSpec:
+        return self._lookup("attention_backends", "attention.backend", name)
+
+    def model(self, architecture: str) -> ModelSpec:
+        try:
+            return self._lookup("models", "model architecture", architecture)
+        except ConfigError as e:
+            raise ConfigError(
+                str(e).replace("model architecture: unknown value", "model architecture: no plugin provides")
+            ) from None
+
+
+def _comma_list(value: str | None) -> set[str] | None:
+    if value is None:
+        return None
+    return {item.strip() for item in value.split(",") if item.strip()}
+
+
+def _dist_of(ep: md.EntryPoint) -> tuple[str | None, str | None]:
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return None, None
+    return dist.metadata["Name"], dist.version
+
+
+def load_plugins(
+    entry_points: Iterable[md.EntryPoint] | None = None,
+    modules: Iterable[tuple[str, ModuleType]] = (),
+    allow: set[str] | None = None,
+    deny: set[str] | None = None,
+) -> Registry:
+    """Load plugins and call each registration hook once per plugin.
+
+    ``entry_points`` defaults to the ``paged`` group; ``modules`` adds (name, module) pairs
+    directly (tests, embedding). ``allow``/``deny`` default to PAGED_PLUGINS/PAGED_DISABLE_PLUGINS.
+    """
+    if entry_points is None:
+        entry_points = md.entry_points(group=ENTRY_POINT_GROUP)
+    if allow is None:
+        allow = _comma_list(os.environ.get("PAGED_PLUGINS"))
+    if deny is None:
+        deny = _comma_list(os.environ.get("PAGED_DISABLE_PLUGINS")) or set()
+
+    pm = pluggy.PluginManager(PROJECT)
+    pm.add_hookspecs(PagedHookSpecs)
+    registry = Registry()
+    loaded: list[tuple[PluginInfo, ModuleType]] = []
+
+    candidates: list[tuple[PluginInfo, Any]] = []
+    seen: set[str] = set()
+    for ep in entry_points:
+        if ep.name in seen:  # the same distribution seen twice on sys.path
+            continue
+        seen.add(ep.name)
+        dist, version = _dist_of(ep)
+        candidates.append((PluginInfo(ep.name, dist, version, ep.value), ep))
+    for name, module in modules:
+        candidates.append((PluginInfo(name, None, None, module.__name__), module))
+
+    for info, source in candidates:
+        registry.plugins.append(info)
+        if (allow is not None and info.name not in allow) or info.name in deny:
+            info.status = "disabled"
+            continue
+        try:
+            module = source.load() if isinstance(source, md.EntryPoint) else source
+            pm.register(module, name=info.name)
+        except Exception as e:  # a broken plugin must not take the others down
+            _fail(info, e)
+            continue
+        loaded.append((info, module))
+
+    for info, module in loaded:
+        provided: dict[str, list[tuple[str, Any]]] = {}
+        try:
+            for hook_name, (kind, attr) in _KINDS.items():
+                impl = getattr(module, hook_name, None)
+                if impl is None:
+                    continue
+                specs = impl() or []
+                provided[kind] = [(getattr(spec, attr), spec) for spec in specs]
+        except Exception as e:
+            _fail(info, e)
+            pm.unregister(module)
+            continue
+        for kind, items in provided.items():
+            table = getattr(registry, kind)
+            for name, spec in items:
+                other = registry.owner.get((kind, name))
+                if other is not None:
+                    raise PluginError(
+                        f"{kind}: the name {name!r} is registered by both plugin '{other}' and "
+                        f"plugin '{info.name}'. Disable one with PAGED_DISABLE_PLUGINS={info.name}."
+                    )
+                table[name] = spec
+                registry.owner[(kind, name)] = info.name
+            info.provides[kind] = [name for name, _ in items]
+    return registry
+
+
+def _fail(info: PluginInfo, error: BaseException) -> None:
+    info.status = "failed"
+    info.error = f"{type(error).__name__}: {error}"
+    warnings.warn(f"paged plugin '{info.name}' ({info.module}) failed to load: {info.error}", stacklevel=3)
+
+
+_REGISTRY: Registry | None = None
+_REGISTRY_KEY: tuple[str | None, str | None] | None = None
+
+
+def get_registry() -> Registry:
+    """The process-wide registry, loaded on first use (and again if the plugin env vars change)."""
+    global _REGISTRY, _REGISTRY_KEY
+    key = (os.environ.get("PAGED_PLUGINS"), os.environ.get("PAGED_DISABLE_PLUGINS"))
+    if _REGISTRY is None or key != _REGISTRY_KEY:
+        _REGISTRY = load_plugins()
+        _REGISTRY_KEY = key
+    return _REGISTRY

@@ -1,0 +1,98 @@
+"""Per-request sampling parameters, validated when the request is made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+from paged.core.errors import InvalidRequestError
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each generated token and when to stop.
+
+    temperature 0 means greedy. ``seed`` makes a request's samples reproducible whatever else is
+    in the batch. Stop strings are not included in the returned text.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # top-k logprobs per generated token (plus the sampled one)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(name: str, accepted: str) -> None:
+            raise InvalidRequestError(f"{name}: invalid value {getattr(self, name)!r}; {accepted}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", "must be an integer >= 1")
+        if not 0.0 <= self.temperature:
+            bad("temperature", "must be >= 0 (0 means greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", "must be an integer >= 0 (0 or -1 disables it)")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", "must be an integer or None")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad("max_tokens", "must be an integer >= 1 or None")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "must be a list of non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be a list of token ids >= 0")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            bad("logprobs", "must be an integer in [0, 20] or None")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if not self.repetition_penalty > 0.0:
+            bad("repetition_penalty", "must be > 0 (1 disables it)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def copy(self, **changes) -> "SamplingParams":
+        return replace(self, **changes)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "SamplingParams":
+        unknown = set(data) - cls.field_names()
+        if unknown:
+            raise InvalidRequestError(
+                f"sampling parameters: unknown field(s) {sorted(unknown)}; accepted: {sorted(cls.field_names())}"
+            )
+        return cls(**data)

@@ -1,0 +1,346 @@
+"""The step mechanism: who runs this step, with how many tokens, in which blocks.
+
+One ``schedule()`` per engine step:
+
+1. *Displacement* (policies with ``displaces_running``): while the best waiting request sorts
+   before the policy's victim among the running ones and cannot be admitted (batch full at
+   ``max_num_seqs``, or too few free blocks), preempt that victim.
+2. *Running requests*, in policy order: each gets ``min(remaining, budget left,
+   long_prefill_token_threshold)`` tokens (1 for a decode). When its blocks cannot be allocated,
+   the policy picks a victim among the requests not yet scheduled this step (itself included)
+   and that victim is preempted, until the allocation succeeds or the request preempted itself.
+3. *Waiting requests*, in policy order, while budget, ``max_num_seqs`` and blocks allow; a
+   prefix-cache hit skips the cached tokens. Admission stops at the first that does not fit.
+
+Preemption is by recompute: the victim frees its blocks, goes back to zero computed tokens and
+returns to the waiting queue at its policy position (prefix caching makes the recompute cheap).
+``num_computed_tokens`` is advanced when a request is scheduled; ``update_from_output`` appends the
+sampled tokens, applies stop conditions and frees finished requests' blocks at once.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from paged.core.errors import InvalidRequestError
+from paged.core.kv_cache_manager import KVCacheManager, cdiv
+from paged.core.policy import SchedulingPolicy
+from paged.core.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_computed_tokens: int  # before this step
+    num_new_tokens: int
+    new_block_ids: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step completes the request's known tokens, so a token is sampled."""
+        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)  # since the previous step
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class WaitingQueue:
+    """Requests waiting for admission, in policy order (a heap on ``request.sort_key``).
+    Removal is lazy: aborted requests are skipped when they reach the top."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[tuple, int, Request]] = []
+        self._seq = itertools.count()
+        self._members: set[str] = set()
+
+    def push(self, request: Request) -> None:
+        heapq.heappush(self._heap, (request.sort_key, next(self._seq), request))
+        self._members.add(request.request_id)
+
+    def _skip_removed(self) -> None:
+        while self._heap and self._heap[0][2].request_id not in self._members:
+            heapq.heappop(self._heap)
+
+    def peek(self) -> Request | None:
+        self._skip_removed()
+        return self._heap[0][2] if self._heap else None
+
+    def pop(self) -> Request:
+        self._skip_removed()
+        request = heapq.heappop(self._heap)[2]
+        self._members.discard(request.request_id)
+        return request
+
+    def remove(self, request: Request) -> bool:
+        if request.request_id in self._members:
+            self._members.discard(request.request_id)
+            return True
+        return False
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def __iter__(self):
+        return (r for _, _, r in sorted(self._heap) if r.request_id in self._members)
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_preemptions: int = 0  # total since start
+    step_preemptions: int = 0
+    step_scheduled_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        policy: SchedulingPolicy,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        long_prefill_token_threshold: int = 0,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.policy = policy
+        self.kv = kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.enable_chunked_prefill = enable_chunked_prefill
+        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise InvalidRequestError(
+                f"scheduler.max_num_batched_tokens: {max_num_batched_tokens} is below max_model_len "
+                f"({max_model_len}); without chunked prefill it must be >= max_model_len"
+            )
+        self.requests: dict[str, Request] = {}
+        self.waiting = WaitingQueue()
+        self.running: list[Request] = []  # in policy order (sorted by sort_key)
+        self._finished_ids: list[str] = []
+        self.num_preemptions = 0
+        self.step_preemptions = 0
+
+    # --- requests in and out -----------------------------------------------------------
+    def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Reject what could never run. Raises InvalidRequestError naming the limit."""
+        if num_prompt_tokens < 1:
+            raise InvalidRequestError("prompt: must have at least one token")
+        total = num_prompt_tokens + max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
+                f"max_model_len ({self.max_model_len}); shorten the prompt or lower max_tokens"
+            )
+        capacity = self.kv.num_blocks * self.block_size
+        if cdiv(total, self.block_size) > self.kv.num_blocks:
+            raise InvalidRequestError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} can never fit in "
+                f"the KV cache ({self.kv.num_blocks} blocks x {self.block_size} = {capacity} tokens); "
+                f"raise cache.kv_cache_memory_gib or lower max_tokens"
+            )
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request_id: {request.request_id!r} is already in use")
+        self.check_request(request.num_prompt_tokens, request.max_tokens)
+        request.status = RequestStatus.WAITING
+        request.sort_key = self.policy.sort_key(request)
+        self.requests[request.request_id] = request
+        self.waiting.push(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """End requests from outside the step (abort, stop string): frees their blocks now."""
+        assert status.finished
+        out = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free(request)
+            out.append(request)
+        return out
+
+    def _free(self, request: Request) -> None:
+        request.finished_time = time.monotonic()
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # --- the step ----------------------------------------------------------------------
+    def _preempt(self, request: Request, output: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.step_preemptions += 1
+        self.waiting.push(request)  # same sort_key: back at its place in the order
+        output.preempted_request_ids.append(request.request_id)
+
+    def _chunk(self, request: Request, budget: int) -> int:
+        n = min(request.num_tokens - request.num_computed_tokens, budget)
+        if self.long_prefill_token_threshold:
+            n = min(n, self.long_prefill_token_threshold)
+        return n
+
+    def _displace(self, output: SchedulerOutput) -> None:
+        while self.running:
+            head = self.waiting.peek()
+            if head is None:
+                return
+            victim = self.policy.select_victim(self.running)
+            if not head.sort_key < victim.sort_key:
+                return
+            if len(self.running) < self.max_num_seqs:
+                blocks, _ = self.kv.get_computed_blocks(head, record_stats=False)
+                chunk = self._chunk(head, self.max_num_batched_tokens)
+                if self.kv.num_blocks_to_allocate(head, chunk, blocks) <= self.kv.num_free_blocks:
+                    return  # it fits without displacing anyone
+            self._preempt(victim, output)
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput(finished_request_ids=self._finished_ids)
+        self._finished_ids = []
+        self.step_preemptions = 0
+        if self.policy.displaces_running:
+            self._displace(output)
+        budget = self.max_num_batched_tokens
+        now = time.monotonic()
+
+        # Running requests, in order; victims come from those not yet scheduled (index >= i).
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._chunk(request, budget)
+            if num_new <= 0:  # waiting for tokens that another step produces
+                i += 1
+                continue
+            while True:
+                new_blocks = self.kv.allocate_slots(request, num_new)
+                if new_blocks is not None:
+                    break
+                victim = self.policy.select_victim(self.running[i:])
+                self._preempt(victim, output)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                continue  # it preempted itself; running[i] is now the next request
+            output.scheduled.append(
+                ScheduledRequest(request, request.num_computed_tokens, num_new, [b.block_id for b in new_blocks])
+            )
+            request.num_computed_tokens += num_new
+            budget -= num_new
+            i += 1
+
+        # Waiting requests, while budget, seats and blocks allow.
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            if request is None:
+                break
+            computed_blocks, num_cached = self.kv.get_computed_blocks(request, record_stats=False)
+            request.num_computed_tokens = num_cached
+            num_new = self._chunk(request, budget)
+            if not self.enable_chunked_prefill and num_new < request.num_tokens - num_cached:
+                request.num_computed_tokens = 0
+                break
+            new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks)
+            if new_blocks is None:
+                request.num_computed_tokens = 0
+                break
+            self.waiting.pop()
+            self._record_prefix_stats(request, num_cached)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=_sort_key)
+            output.scheduled.append(
+                ScheduledRequest(request, num_cached, num_new, [b.block_id for b in computed_blocks + new_blocks])
+            )
+            request.num_computed_tokens += num_new
+            budget -= num_new
+        return output
+
+    def _record_prefix_stats(self, request: Request, num_cached: int) -> None:
+        if self.kv.enable_caching:
+            stats = self.kv.prefix_cache_stats
+            stats.requests += 1
+            stats.queries += request.num_tokens
+            stats.hits += num_cached
+
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+        """Append each sampled token, apply stop conditions, free finished requests.
+        Returns the requests that received a token (finished ones included)."""
+        updated = []
+        now = time.monotonic()
+        for scheduled in output.scheduled:
+            request = scheduled.request
+            token = sampled_token_ids.get(request.request_id)
+            if token is None or request.is_finished:
+                continue
+            request.append_output_token(token)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            status = self._check_stop(request, token)
+            if status is not None:
+                self.running.remove(request)
+                request.status = status
+                self._free(request)
+            updated.append(request)
+        return updated
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and token == request.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_usage=self.kv.usage,
+            num_preemptions=self.num_preemptions,
+            step_preemptions=self.step_preemptions,
+        )
+
+
+def _sort_key(request: Request) -> tuple:
+    return request.sort_key
