@@ -15,7 +15,7 @@ from __future__ import annotations
 import difflib
 import importlib.metadata as md
 import os
-import warnings
+import logging
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Iterable
@@ -31,6 +31,8 @@ from paged.core.hookspecs import (
     PagedHookSpecs,
     PolicySpec,
 )
+
+logger = logging.getLogger("paged")
 
 # hook name -> (registry kind shown to users, attribute that names a spec)
 _KINDS = {
@@ -197,7 +199,7 @@ def load_plugins(
 def _fail(info: PluginInfo, error: BaseException) -> None:
     info.status = "failed"
     info.error = f"{type(error).__name__}: {error}"
-    warnings.warn(f"paged plugin '{info.name}' ({info.module}) failed to load: {info.error}", stacklevel=3)
+    logger.warning("paged plugin '%s' (%s) failed to load: %s", info.name, info.module, info.error)
 
 
 _REGISTRY: Registry | None = None

@@ -235,6 +235,7 @@ class Scheduler:
         self.step_preemptions = 0
         if self.policy.displaces_running:
             self._displace(output)
+        num_displaced = len(output.preempted_request_ids)
         budget = self.max_num_batched_tokens
         now = time.monotonic()
 
@@ -263,8 +264,10 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # Waiting requests, while budget, seats and blocks allow.
-        while budget > 0 and len(self.running) < self.max_num_seqs:
+        # Waiting requests, while budget, seats and blocks allow; none after a preemption (blocks
+        # are short: admitting now would only preempt again).
+        preempted_in_running_loop = len(output.preempted_request_ids) > num_displaced
+        while budget > 0 and len(self.running) < self.max_num_seqs and not preempted_in_running_loop:
             request = self.waiting.peek()
             if request is None:
                 break

@@ -1,0 +1,301 @@
+"""The ``paged`` command: run, plugins, config.
+
+Engine settings are flags generated from the typed config (``paged config --help`` lists them);
+``--config FILE`` and ``PAGED_*`` variables set the same fields with lower precedence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any, Sequence
+
+from paged.core.config import EngineConfig, config_flags, dump_config, load_config, parse_key_values
+from paged.core.errors import PagedError
+
+_CFG = "cfg:"
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine settings (also settable by --config FILE or PAGED_* env)")
+    group.add_argument("--config", dest="config_file", metavar="FILE", help="TOML or YAML config file")
+    for flag in config_flags():
+        dest = f"{_CFG}{flag.section or ''}.{flag.field}"
+        help_text = flag.help or f"{flag.section}.{flag.field}" if flag.section else flag.help
+        if flag.annotation is bool:
+            group.add_argument(f"--{flag.name}", dest=dest, action=argparse.BooleanOptionalAction,
+                               default=argparse.SUPPRESS, help=help_text)
+        else:
+            group.add_argument(f"--{flag.name}", dest=dest, default=argparse.SUPPRESS, help=help_text)
+    group.add_argument("--policy-option", action="append", metavar="KEY=VALUE",
+                       help="an option of the selected policy, e.g. aging_s=5 (repeatable)")
+    group.add_argument("--attention-option", action="append", metavar="KEY=VALUE",
+                       help="an option of the selected attention backend (repeatable)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    overrides: dict[str, Any] = {}
+    for key, value in vars(args).items():
+        if not key.startswith(_CFG):
+            continue
+        section, _, field = key[len(_CFG):].partition(".")
+        if section:
+            overrides.setdefault(section, {})[field] = value
+        else:
+            overrides[field] = value
+    policy_options = parse_key_values(args.policy_option, "policy-option")
+    if policy_options:
+        overrides.setdefault("scheduler", {})["policy_options"] = policy_options
+    attention_options = parse_key_values(args.attention_option, "attention-option")
+    if attention_options:
+        overrides.setdefault("attention", {})["options"] = attention_options
+    return load_config(args.config_file, overrides)
+
+
+# --- paged plugins --------------------------------------------------------------------------
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from paged.core.plugins import get_registry
+
+    registry = get_registry()
+    infos = [p.to_dict() for p in registry.plugins]
+    if args.json:
+        print(json.dumps({"plugins": infos}, indent=2))
+        return 0
+    for p in infos:
+        dist = f"{p['distribution']} {p['version']}" if p["distribution"] else p["module"]
+        print(f"{p['name']}  [{p['status']}]  ({dist})")
+        for kind, names in p["provides"].items():
+            print(f"    {kind}: {', '.join(names)}")
+        if p["error"]:
+            print(f"    error: {p['error']}")
+    return 0
+
+
+# --- paged config ---------------------------------------------------------------------------
+def cmd_config(args: argparse.Namespace) -> int:
+    from paged.core.config import resolve_plugins
+
+    config = engine_config_from_args(args)
+    resolve_plugins(config, device=_device_for_check(config))
+    print(dump_config(config, "json" if args.json else "yaml"), end="" if not args.json else "\n")
+    return 0
+
+
+def _device_for_check(config: EngineConfig) -> str:
+    if config.device != "auto":
+        return config.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# --- paged run ------------------------------------------------------------------------------
+SAMPLING_FLAGS = {
+    # flag: (SamplingParams field, type)
+    "temperature": ("temperature", float),
+    "top-p": ("top_p", float),
+    "top-k": ("top_k", int),
+    "min-p": ("min_p", float),
+    "max-tokens": ("max_tokens", int),
+    "min-tokens": ("min_tokens", int),
+    "seed": ("seed", int),
+    "n": ("n", int),
+    "logprobs": ("logprobs", int),
+    "presence-penalty": ("presence_penalty", float),
+    "frequency-penalty": ("frequency_penalty", float),
+    "repetition-penalty": ("repetition_penalty", float),
+}
+
+
+def add_run_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompts", nargs="*", help="prompts (default: --prompts-file, else stdin lines)")
+    parser.add_argument("--prompts-file", help="one prompt per line, or JSONL objects with 'prompt' or "
+                        "'messages' and per-prompt sampling fields and 'priority'")
+    parser.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt")
+    parser.add_argument("--json", action="store_true", help="print one JSON document instead of text")
+    parser.add_argument("--priority", type=int, default=0, help="priority of every prompt (lower runs first)")
+    sampling = parser.add_argument_group("sampling (defaults: greedy, 128 tokens)")
+    for flag, (field, typ) in SAMPLING_FLAGS.items():
+        sampling.add_argument(f"--{flag}", dest=f"sp:{field}", type=typ, default=argparse.SUPPRESS)
+    sampling.add_argument("--stop", dest="sp:stop", action="append", default=argparse.SUPPRESS,
+                          help="stop string (repeatable)")
+    sampling.add_argument("--stop-token-ids", dest="sp:stop_token_ids", type=lambda s: [int(x) for x in s.split(",")],
+                          default=argparse.SUPPRESS, help="comma-separated token ids")
+    sampling.add_argument("--ignore-eos", dest="sp:ignore_eos", action="store_true", default=argparse.SUPPRESS)
+
+
+def _read_prompts(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each item: {"prompt" or "messages", optional sampling fields, optional "priority"}."""
+    items: list[dict[str, Any]] = [{"prompt": p} for p in args.prompts]
+    lines: list[str] = []
+    if args.prompts_file:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    elif not items and not sys.stdin.isatty():
+        lines = sys.stdin.read().splitlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise PagedError(f"prompts line {number}: invalid JSON ({e})") from None
+            if "prompt" not in obj and "messages" not in obj:
+                raise PagedError(f"prompts line {number}: needs a 'prompt' or 'messages' field")
+            items.append(obj)
+        else:
+            items.append({"prompt": line})
+    if not items:
+        raise PagedError("no prompts: give them as arguments, with --prompts-file, or on stdin")
+    return items
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from paged.core.engine import LLMEngine
+    from paged.core.sampling_params import SamplingParams
+
+    config = engine_config_from_args(args)
+    items = _read_prompts(args)
+    defaults: dict[str, Any] = {"temperature": 0.0, "max_tokens": 128}
+    defaults.update({k[3:]: v for k, v in vars(args).items() if k.startswith("sp:")})
+    engine = LLMEngine(config)
+
+    ids, prompts = [], []
+    for item in items:
+        item = dict(item)
+        priority = item.pop("priority", args.priority)
+        if "messages" in item:
+            prompt = engine.apply_chat_template(item.pop("messages"))
+            special = False
+        else:
+            prompt = item.pop("prompt")
+            if args.chat:
+                prompt = engine.apply_chat_template([{"role": "user", "content": prompt}])
+            special = not args.chat
+        params = SamplingParams.from_dict({**defaults, **item})
+        ids.append(engine.add_request(None, prompt, params, priority=priority, add_special_tokens=special))
+        prompts.append(prompt)
+
+    import time
+
+    start = time.perf_counter()
+    final = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                final[output.request_id] = output
+    elapsed = time.perf_counter() - start
+    outputs = [final[i] for i in ids]
+    summary = run_summary(engine, outputs, elapsed)
+
+    if args.json:
+        doc = {
+            "requests": [
+                {
+                    "prompt": o.prompt,
+                    "text": c.text,
+                    "token_ids": c.token_ids,
+                    "finish_reason": c.finish_reason,
+                    "index": c.index,
+                    "num_prompt_tokens": len(o.prompt_token_ids),
+                    "ttft_s": c.metrics.time_to_first_token if c.metrics else None,
+                    **({"logprobs": [_logprob_json(lp) for lp in c.logprobs]} if c.logprobs is not None else {}),
+                }
+                for o in outputs
+                for c in o.outputs
+            ],
+            "summary": summary,
+        }
+        print(json.dumps(doc, indent=2, ensure_ascii=False))
+        return 0
+    for o in outputs:
+        for c in o.outputs:
+            label = "" if len(o.outputs) == 1 else f" [{c.index}]"
+            print(f"--- {o.request_id}{label} ({c.finish_reason}, {len(c.token_ids)} tokens)")
+            print(c.text)
+    print("---", file=sys.stderr)
+    for key, value in summary.items():
+        print(f"{key}: {value}", file=sys.stderr)
+    return 0
+
+
+def _logprob_json(lp) -> dict[str, Any]:
+    return {"token_id": lp.token_id, "logprob": lp.logprob, "rank": lp.rank, "top": [list(t) for t in lp.top]}
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    import numpy as np
+
+    return float(np.percentile(values, q))
+
+
+def run_summary(engine, outputs, elapsed: float) -> dict[str, Any]:
+    completions = [c for o in outputs for c in o.outputs]
+    input_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    output_tokens = sum(len(c.token_ids) for c in completions)
+    ttfts = [c.metrics.time_to_first_token for c in completions if c.metrics and c.metrics.time_to_first_token]
+    stats = engine.kv_cache_manager.prefix_cache_stats
+    return {
+        "requests": len(outputs),
+        "input_tokens": input_tokens,
+        "output_tokens": output_tokens,
+        "elapsed_s": round(elapsed, 3),
+        "output_tokens_per_s": round(output_tokens / elapsed, 2) if elapsed else None,
+        "total_tokens_per_s": round((input_tokens + output_tokens) / elapsed, 2) if elapsed else None,
+        "ttft_p50_s": _round(_percentile(ttfts, 50)),
+        "ttft_p99_s": _round(_percentile(ttfts, 99)),
+        "prefix_cache_hit_rate": round(stats.hit_rate, 4),
+        "preemptions": engine.stats.num_preemptions,
+        "peak_kv_usage": round(engine.stats.peak_kv_usage, 4),
+        "kv_blocks": engine.runner.num_blocks,
+    }
+
+
+def _round(v: float | None) -> float | None:
+    return None if v is None else round(v, 4)
+
+
+# --- entry point -----------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="paged", description="A plugin-first LLM inference engine.")
+    parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="generate completions for prompts with the offline engine")
+    add_run_flags(run)
+    add_engine_flags(run)
+    run.set_defaults(func=cmd_run)
+
+    plugins = sub.add_parser("plugins", help="list discovered plugins and what they provide")
+    plugins.add_argument("--json", action="store_true")
+    plugins.set_defaults(func=cmd_plugins)
+
+    config = sub.add_parser("config", help="print the effective configuration")
+    config.add_argument("--json", action="store_true")
+    add_engine_flags(config)
+    config.set_defaults(func=cmd_config)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.WARNING if args.quiet else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return args.func(args) or 0
+    except PagedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""The offline API: ``LLM(model=None, **settings).generate(...)`` / ``.chat(...)``."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+from paged.core.config import EngineConfig, config_flags, load_config
+from paged.core.engine import LLMEngine
+from paged.core.errors import ConfigError
+from paged.core.outputs import RequestOutput
+from paged.core.sampling_params import SamplingParams
+
+
+def settings_to_overrides(settings: dict[str, Any]) -> dict[str, Any]:
+    """Map keyword settings to the nested config: a section name takes a dict
+    (``scheduler={"policy": "priority"}``); any field or flag name of a section is accepted flat
+    (``max_num_seqs=8``, ``policy="priority"``, ``enable_prefix_caching=False``)."""
+    by_name = {}
+    for flag in config_flags():
+        for name in {flag.field, flag.name.replace("-", "_")}:
+            by_name[name] = flag
+    by_name["policy_options"] = type("F", (), {"section": "scheduler", "field": "policy_options"})
+    by_name["attention_options"] = type("F", (), {"section": "attention", "field": "options"})
+    sections = {n for n, f in EngineConfig.model_fields.items() if n != "device"}
+    out: dict[str, Any] = {}
+    for key, value in settings.items():
+        if key in sections and isinstance(value, dict):
+            out.setdefault(key, {}).update(value)
+        elif key in by_name:
+            flag = by_name[key]
+            if flag.section is None:
+                out[flag.field] = value
+            else:
+                out.setdefault(flag.section, {})[flag.field] = value
+        else:
+            raise ConfigError(f"{key}: unknown setting; see `paged config` for the accepted names")
+    return out
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, config_file: str | None = None, **settings: Any) -> None:
+        if model is not None:
+            settings["model"] = model
+        self.config = load_config(config_file, settings_to_overrides(settings))
+        self.engine = LLMEngine(self.config)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: Sequence[int] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (text, or token ids); outputs come back in input order."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _broadcast(sampling_params or SamplingParams(), len(prompt_list), "sampling_params")
+        priorities = _broadcast(priority if priority is not None else 0, len(prompt_list), "priority")
+        return self._run(prompt_list, params_list, priorities, use_tqdm, add_special_tokens=True)
+
+    def chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or a list of them, through the
+        model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.engine.apply_chat_template(list(c)) for c in conversations]
+        params_list = _broadcast(sampling_params or SamplingParams(), len(prompts), "sampling_params")
+        return self._run(prompts, params_list, [0] * len(prompts), use_tqdm, add_special_tokens=False)
+
+    def _run(self, prompts, params_list, priorities, use_tqdm: bool, add_special_tokens: bool) -> list[RequestOutput]:
+        engine = self.engine
+        ids = []
+        try:
+            for prompt, params, prio in zip(prompts, params_list, priorities):
+                ids.append(engine.add_request(None, prompt, params, priority=prio, add_special_tokens=add_special_tokens))
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        final: dict[str, RequestOutput] = {}
+        bar = _progress(len(ids)) if use_tqdm else None
+        in_tokens = out_tokens = 0
+        start = time.perf_counter()
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        final[output.request_id] = output
+                        if bar is not None:
+                            in_tokens += len(output.prompt_token_ids)
+                            out_tokens += sum(len(c.token_ids) for c in output.outputs)
+                            elapsed = time.perf_counter() - start
+                            bar.set_postfix_str(
+                                f"input {in_tokens / elapsed:.1f} tok/s, output {out_tokens / elapsed:.1f} tok/s",
+                                refresh=False,
+                            )
+                            bar.update(1)
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [final[i] for i in ids]
+
+
+def _progress(total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", unit="prompt", dynamic_ncols=True)
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _broadcast(value, n: int, name: str) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ConfigError(f"{name}: got {len(value)} values for {n} prompts; give one, or one per prompt")
+        return list(value)
+    return [value] * n

@@ -1,0 +1,258 @@
+"""Runs one scheduled step on the model: flatten the batch, forward, sample.
+
+Flattening (design.md, step 2): requests are ordered decodes first, then prefill chunks. For
+each scheduled request the tokens ``all_token_ids[num_computed : num_computed + num_new]`` are
+laid end to end in ``input_ids`` with their ``positions``; ``query_start_loc`` holds the running
+sum of query lengths, ``seq_lens`` the context after this step, ``block_table`` one padded row per
+request and ``slot_mapping`` the cache slot of every new token. Logits are computed only at the
+last token of requests whose known tokens are all computed after this step (``samples``).
+
+The runner keeps each request's block ids across steps (admission sends the full list, later
+steps only the new blocks), so a step costs O(new tokens + requests), not O(blocks held).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from paged.core.attention import AttentionLayout, BatchInputs
+from paged.core.config import EngineConfig, ResolvedPlugins
+from paged.core.kv_cache_manager import cdiv
+from paged.core.sampler import Sampler, SamplerOutput
+from paged.core.scheduler import SchedulerOutput
+
+logger = logging.getLogger("paged")
+
+
+def resolve_device(setting: str) -> torch.device:
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if setting == "cuda" and not torch.cuda.is_available():
+        from paged.core.errors import ConfigError
+
+        raise ConfigError("device: 'cuda' was asked for but no CUDA GPU is available; use 'cpu' or 'auto'")
+    return torch.device(setting)
+
+
+@dataclass
+class StepResult:
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, object]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, plugins: ResolvedPlugins, registry, device: torch.device) -> None:
+        from paged.models.loader import build_model, get_dtype, load_hf_config, resolve_model_dir
+
+        self.config = config
+        self.device = device
+        self.model_dir = resolve_model_dir(config.model.model)
+        self.hf_config = load_hf_config(self.model_dir)
+        architecture = (getattr(self.hf_config, "architectures", None) or ["(none)"])[0]
+        model_spec = registry.model(architecture)
+        self.dtype = get_dtype(config.model.dtype, self.hf_config, device)
+        self.max_model_len = config.model.max_model_len or int(
+            getattr(self.hf_config, "max_position_embeddings", 4096)
+        )
+        self.block_size = config.cache.block_size
+        num_layers, num_heads, num_kv_heads, head_dim = _attention_shape(self.hf_config)
+        self.layout = AttentionLayout(
+            num_layers, num_heads, num_kv_heads, head_dim, self.block_size, self.dtype, device
+        )
+        self.backend = plugins.attention.factory(self.layout, plugins.attention_options)
+        t0 = time.perf_counter()
+        self.model = build_model(self.model_dir, self.hf_config, model_spec.factory, self.backend, self.dtype, device)
+        self.load_time_s = time.perf_counter() - t0
+        self.vocab_size = int(self.hf_config.vocab_size)
+        self.sampler = Sampler(self.vocab_size, device)
+
+        self.num_blocks = self._determine_num_blocks()
+        self.kv_caches = self.backend.allocate_kv_cache(self.num_blocks)
+        self.max_blocks_per_req = cdiv(self.max_model_len, self.block_size)
+        max_seqs = config.scheduler.max_num_seqs
+        self._block_table = np.zeros((max_seqs, self.max_blocks_per_req), dtype=np.int32)
+        self.block_ids: dict[str, list[int]] = {}
+        capacity = self.num_blocks * self.block_size
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s); max concurrency at max_model_len "
+            "%d: %.2fx",
+            self.num_blocks,
+            self.block_size,
+            capacity,
+            self.num_blocks * self.layout.bytes_per_block / 2**30,
+            str(self.dtype).removeprefix("torch."),
+            self.max_model_len,
+            capacity / self.max_model_len,
+        )
+
+    # --- KV cache sizing ----------------------------------------------------------------
+    def _determine_num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        per_block = self.layout.bytes_per_block
+        if self.device.type == "cuda":
+            budget = self._profile_gpu_kv_budget()
+        else:
+            budget = int((cache.kv_cache_memory_gib or 1.0) * 2**30)
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            from paged.core.errors import ConfigError
+
+            raise ConfigError(
+                f"cache: the KV budget ({budget / 2**30:.3f} GiB) is smaller than one block "
+                f"({per_block} bytes); raise kv_cache_memory_gib or gpu_memory_utilization"
+            )
+        return int(num_blocks)
+
+    def _profile_gpu_kv_budget(self) -> int:
+        """gpu_memory_utilization x total - weights - peak activation of a dummy forward at the
+        largest batch (max_num_batched_tokens tokens)."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+        num_seqs = max(1, min(self.config.scheduler.max_num_seqs, num_tokens))
+        blocks_needed = num_seqs * cdiv(cdiv(num_tokens, num_seqs), self.block_size)
+        scratch = self.backend.allocate_kv_cache(blocks_needed)
+        scratch_bytes = blocks_needed * self.layout.bytes_per_block
+        lengths = [num_tokens // num_seqs + (1 if i < num_tokens % num_seqs else 0) for i in range(num_seqs)]
+        ids, next_block = [], 0
+        for n in lengths:
+            nb = cdiv(n, self.block_size)
+            ids.append(list(range(next_block, next_block + nb)))
+            next_block += nb
+        batch, input_ids, positions = self._dummy_batch(lengths, ids)
+        with torch.inference_mode():
+            metadata = self.backend.build_metadata(batch)
+            hidden = self.model(input_ids, positions, scratch, metadata)
+            self.model.compute_logits(hidden[batch.query_start_loc[1:].long() - 1])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - scratch_bytes
+        del scratch, hidden
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        budget = int(self.config.cache.gpu_memory_utilization * total - peak)
+        logger.info(
+            "GPU memory: total %.1f GiB, weights + peak activation %.2f GiB, KV budget %.2f GiB",
+            total / 2**30, peak / 2**30, budget / 2**30,
+        )
+        return budget
+
+    def _dummy_batch(self, lengths: list[int], block_ids: list[list[int]]):
+        tokens = sum(lengths)
+        input_ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
+        positions = torch.cat([torch.arange(n) for n in lengths]).to(self.device)
+        table = np.zeros((len(lengths), max(len(b) for b in block_ids)), dtype=np.int32)
+        slots = []
+        for i, (n, ids) in enumerate(zip(lengths, block_ids)):
+            table[i, : len(ids)] = ids
+            pos = np.arange(n)
+            slots.append(np.asarray(ids)[pos // self.block_size] * self.block_size + pos % self.block_size)
+        qsl = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        seq_lens = np.asarray(lengths, dtype=np.int32)
+        return self._to_batch(len(lengths), tokens, 0, qsl, seq_lens, table, np.concatenate(slots)), input_ids, positions
+
+    def _to_batch(self, num_reqs, num_tokens, num_decodes, qsl, seq_lens, table, slots) -> BatchInputs:
+        dev = self.device
+        qsl_cpu = torch.from_numpy(qsl)
+        seq_cpu = torch.from_numpy(seq_lens)
+        return BatchInputs(
+            num_reqs=num_reqs,
+            num_tokens=num_tokens,
+            num_decodes=num_decodes,
+            max_query_len=int((qsl[1:] - qsl[:-1]).max()) if num_reqs else 0,
+            max_seq_len=int(seq_lens.max()) if num_reqs else 0,
+            query_start_loc=qsl_cpu.to(dev, non_blocking=True),
+            seq_lens=seq_cpu.to(dev, non_blocking=True),
+            block_table=torch.from_numpy(np.ascontiguousarray(table)).to(dev, non_blocking=True),
+            slot_mapping=torch.from_numpy(slots.astype(np.int64)).to(dev, non_blocking=True),
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens_cpu=seq_cpu,
+        )
+
+    # --- one step -----------------------------------------------------------------------
+    def _update_block_ids(self, output: SchedulerOutput) -> None:
+        for request_id in output.preempted_request_ids:
+            self.block_ids.pop(request_id, None)
+        for request_id in output.finished_request_ids:
+            self.block_ids.pop(request_id, None)
+        if output.finished_request_ids:
+            self.sampler.forget(output.finished_request_ids)
+        for scheduled in output.scheduled:
+            request_id = scheduled.request.request_id
+            held = self.block_ids.get(request_id)
+            if held is None:  # admitted this step: the full list
+                self.block_ids[request_id] = list(scheduled.new_block_ids)
+            else:
+                held.extend(scheduled.new_block_ids)
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> StepResult:
+        self._update_block_ids(output)
+        if not output.scheduled:
+            return StepResult({}, {})
+        # Decodes first (query length 1), then prefill chunks; stable within each group.
+        order = sorted(output.scheduled, key=lambda s: s.num_new_tokens != 1)
+        num_reqs = len(order)
+        num_decodes = sum(1 for s in order if s.num_new_tokens == 1)
+        bs = self.block_size
+        token_chunks, position_chunks, slot_chunks = [], [], []
+        query_lens = np.empty(num_reqs, dtype=np.int32)
+        seq_lens = np.empty(num_reqs, dtype=np.int32)
+        table = self._block_table[:num_reqs]
+        max_blocks = 1
+        sample_rows: list[int] = []
+        sample_requests = []
+        for i, s in enumerate(order):
+            request = s.request
+            start, n = s.num_computed_tokens, s.num_new_tokens
+            ids = self.block_ids[request.request_id]
+            table[i, : len(ids)] = ids
+            max_blocks = max(max_blocks, len(ids))
+            query_lens[i] = n
+            seq_lens[i] = start + n
+            token_chunks.append(request.all_token_ids[start : start + n])
+            if n == 1:
+                position_chunks.append((start,))
+                slot_chunks.append((ids[start // bs] * bs + start % bs,))
+            else:
+                pos = np.arange(start, start + n)
+                position_chunks.append(pos)
+                slot_chunks.append(np.asarray(ids, dtype=np.int64)[pos // bs] * bs + pos % bs)
+            if s.samples:
+                sample_requests.append(request)
+                sample_rows.append(i)
+        qsl = np.zeros(num_reqs + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=qsl[1:])
+        num_tokens = int(qsl[-1])
+        batch = self._to_batch(
+            num_reqs, num_tokens, num_decodes, qsl, seq_lens, table[:, :max_blocks],
+            np.concatenate([np.asarray(c, dtype=np.int64) for c in slot_chunks]),
+        )
+        input_ids = torch.tensor([t for chunk in token_chunks for t in chunk], dtype=torch.long).to(self.device)
+        positions = torch.from_numpy(
+            np.concatenate([np.asarray(c, dtype=np.int64) for c in position_chunks])
+        ).to(self.device)
+
+        metadata = self.backend.build_metadata(batch)
+        hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+        if not sample_requests:
+            return StepResult({}, {})
+        last_token_rows = torch.from_numpy(qsl[1:][sample_rows].astype(np.int64) - 1).to(self.device)
+        logits = self.model.compute_logits(hidden[last_token_rows])
+        sampled: SamplerOutput = self.sampler.sample(logits, sample_requests)
+        token_ids = {r.request_id: t for r, t in zip(sample_requests, sampled.token_ids)}
+        logprobs = {r.request_id: lp for r, lp in zip(sample_requests, sampled.logprobs) if lp is not None}
+        return StepResult(token_ids, logprobs)
+
+
+def _attention_shape(hf_config) -> tuple[int, int, int, int]:
+    num_heads = int(hf_config.num_attention_heads)
+    num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_heads)
+    head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads)
+    return int(hf_config.num_hidden_layers), num_heads, num_kv_heads, head_dim
