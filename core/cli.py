@@ -240,6 +240,7 @@ def run_summary(engine, outputs, elapsed: float) -> dict[str, Any]:
     output_tokens = sum(len(c.token_ids) for c in completions)
     ttfts = [c.metrics.time_to_first_token for c in completions if c.metrics and c.metrics.time_to_first_token]
     stats = engine.kv_cache_manager.prefix_cache_stats
+    core_stats = engine.core.snapshot_stats()
     return {
         "requests": len(outputs),
         "input_tokens": input_tokens,
@@ -250,9 +251,9 @@ def run_summary(engine, outputs, elapsed: float) -> dict[str, Any]:
         "ttft_p50_s": _round(_percentile(ttfts, 50)),
         "ttft_p99_s": _round(_percentile(ttfts, 99)),
         "prefix_cache_hit_rate": round(stats.hit_rate, 4),
-        "preemptions": engine.stats.num_preemptions,
-        "peak_kv_usage": round(engine.stats.peak_kv_usage, 4),
-        "kv_blocks": engine.runner.num_blocks,
+        "preemptions": core_stats.num_preemptions,
+        "peak_kv_usage": round(core_stats.peak_kv_usage, 4),
+        "kv_blocks": engine.model_info.num_blocks,
     }
 
 
@@ -262,20 +263,21 @@ def _round(v: float | None) -> float | None:
 
 # --- entry point -----------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
     parser = argparse.ArgumentParser(prog="paged", description="A plugin-first LLM inference engine.")
-    parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="generate completions for prompts with the offline engine")
+    run = sub.add_parser("run", parents=[common], help="generate completions for prompts with the offline engine")
     add_run_flags(run)
     add_engine_flags(run)
     run.set_defaults(func=cmd_run)
 
-    plugins = sub.add_parser("plugins", help="list discovered plugins and what they provide")
+    plugins = sub.add_parser("plugins", parents=[common], help="list discovered plugins and what they provide")
     plugins.add_argument("--json", action="store_true")
     plugins.set_defaults(func=cmd_plugins)
 
-    config = sub.add_parser("config", help="print the effective configuration")
+    config = sub.add_parser("config", parents=[common], help="print the effective configuration")
     config.add_argument("--json", action="store_true")
     add_engine_flags(config)
     config.set_defaults(func=cmd_config)

@@ -60,7 +60,9 @@ class AttentionBackendSpec:
 class ModelSpec:
     """A model architecture, keyed by the HF ``architectures`` name in config.json.
 
-    ``factory(hf_config, backend, dtype, device) -> nn.Module`` following paged.models.base.
+    ``factory(hf_config, backend, dtype, device) -> nn.Module`` with ``load_weights``,
+    ``forward(input_ids, positions, kv_caches, attn_metadata)`` and ``compute_logits`` (see
+    paged.models.llama, the reference implementation).
     """
 
     architecture: str

@@ -95,9 +95,10 @@ class KVCacheManager:
         """Free blocks that ``allocate_slots`` would consume (hits on free blocks count too)."""
         held = len(self.block_tables.get(request.request_id, ())) + len(new_computed_blocks)
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        needed = cdiv(num_computed + num_new_tokens, self.block_size) - held
-        revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        return max(needed, 0) + revived
+        needed = max(cdiv(num_computed + num_new_tokens, self.block_size) - held, 0)
+        if new_computed_blocks:
+            needed += sum(1 for b in new_computed_blocks if b.ref_cnt == 0)  # revived hits
+        return needed
 
     # --- mutations ---------------------------------------------------------------------
     def allocate_slots(
@@ -106,6 +107,13 @@ class KVCacheManager:
         """Give ``request`` slots for ``num_new_tokens`` more tokens (after its computed tokens
         and any prefix-cache hits in ``new_computed_blocks``). All or nothing: returns the newly
         allocated blocks, or None (and changes nothing) if the free blocks do not suffice."""
+        table = self.block_tables.get(request.request_id)
+        if table and not new_computed_blocks:
+            # Fast path (most decodes): the table ends with the block of the last computed token;
+            # the new tokens fit in it without filling it, so there is nothing to allocate and no
+            # block becomes full to cache.
+            if request.num_computed_tokens + num_new_tokens < len(table) * self.block_size:
+                return []
         if self.num_blocks_to_allocate(request, num_new_tokens, new_computed_blocks) > self.num_free_blocks:
             return None
         table = self.block_tables.setdefault(request.request_id, [])

@@ -41,7 +41,7 @@ def settings_to_overrides(settings: dict[str, Any]) -> dict[str, Any]:
 class LLM:
     def __init__(self, model: str | None = None, *, config_file: str | None = None, **settings: Any) -> None:
         if model is not None:
-            settings["model"] = model
+            settings["model"] = str(model)
         self.config = load_config(config_file, settings_to_overrides(settings))
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer

@@ -47,6 +47,7 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, plugins: ResolvedPlugins, registry, device: torch.device) -> None:
+        from paged.models.llama import attention_shape
         from paged.models.loader import build_model, get_dtype, load_hf_config, resolve_model_dir
 
         self.config = config
@@ -56,11 +57,17 @@ class ModelRunner:
         architecture = (getattr(self.hf_config, "architectures", None) or ["(none)"])[0]
         model_spec = registry.model(architecture)
         self.dtype = get_dtype(config.model.dtype, self.hf_config, device)
-        self.max_model_len = config.model.max_model_len or int(
-            getattr(self.hf_config, "max_position_embeddings", 4096)
-        )
+        model_limit = int(getattr(self.hf_config, "max_position_embeddings", 0) or 0) or None
+        self.max_model_len = config.model.max_model_len or model_limit or 4096
+        if model_limit is not None and self.max_model_len > model_limit:
+            from paged.core.errors import ConfigError
+
+            raise ConfigError(
+                f"model.max_model_len: {self.max_model_len} exceeds the model's max_position_embeddings "
+                f"({model_limit}); use at most {model_limit}"
+            )
         self.block_size = config.cache.block_size
-        num_layers, num_heads, num_kv_heads, head_dim = _attention_shape(self.hf_config)
+        num_layers, num_heads, num_kv_heads, head_dim = attention_shape(self.hf_config)
         self.layout = AttentionLayout(
             num_layers, num_heads, num_kv_heads, head_dim, self.block_size, self.dtype, device
         )
@@ -250,9 +257,3 @@ class ModelRunner:
         logprobs = {r.request_id: lp for r, lp in zip(sample_requests, sampled.logprobs) if lp is not None}
         return StepResult(token_ids, logprobs)
 
-
-def _attention_shape(hf_config) -> tuple[int, int, int, int]:
-    num_heads = int(hf_config.num_attention_heads)
-    num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_heads)
-    head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads)
-    return int(hf_config.num_hidden_layers), num_heads, num_kv_heads, head_dim

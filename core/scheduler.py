@@ -33,17 +33,18 @@ from paged.core.policy import SchedulingPolicy
 from paged.core.request import Request, RequestStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_computed_tokens: int  # before this step
     num_new_tokens: int
     new_block_ids: list[int]
+    # Whether this step completes the request's known tokens, so a token is sampled. Fixed when
+    # scheduled: update_from_output appends the sampled token, which would change the answer.
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step completes the request's known tokens, so a token is sampled."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
 
 
 @dataclass
@@ -63,19 +64,21 @@ class SchedulerOutput:
 
 class WaitingQueue:
     """Requests waiting for admission, in policy order (a heap on ``request.sort_key``).
-    Removal is lazy: aborted requests are skipped when they reach the top."""
+    Removal is lazy: aborted requests are skipped when they reach the top. Membership is by
+    request object, not id: an id may be reused once its request has finished, and the stale
+    heap entry must not stand for the new request."""
 
     def __init__(self) -> None:
         self._heap: list[tuple[tuple, int, Request]] = []
         self._seq = itertools.count()
-        self._members: set[str] = set()
+        self._members: set[Request] = set()  # Request hashes by identity (eq=False)
 
     def push(self, request: Request) -> None:
         heapq.heappush(self._heap, (request.sort_key, next(self._seq), request))
-        self._members.add(request.request_id)
+        self._members.add(request)
 
     def _skip_removed(self) -> None:
-        while self._heap and self._heap[0][2].request_id not in self._members:
+        while self._heap and self._heap[0][2] not in self._members:
             heapq.heappop(self._heap)
 
     def peek(self) -> Request | None:
@@ -85,12 +88,12 @@ class WaitingQueue:
     def pop(self) -> Request:
         self._skip_removed()
         request = heapq.heappop(self._heap)[2]
-        self._members.discard(request.request_id)
+        self._members.discard(request)
         return request
 
     def remove(self, request: Request) -> bool:
-        if request.request_id in self._members:
-            self._members.discard(request.request_id)
+        if request in self._members:
+            self._members.discard(request)
             return True
         return False
 
@@ -98,7 +101,7 @@ class WaitingQueue:
         return len(self._members)
 
     def __iter__(self):
-        return (r for _, _, r in sorted(self._heap) if r.request_id in self._members)
+        return (r for _, _, r in sorted(self._heap) if r in self._members)
 
 
 @dataclass
@@ -135,12 +138,19 @@ class Scheduler:
                 f"scheduler.max_num_batched_tokens: {max_num_batched_tokens} is below max_model_len "
                 f"({max_model_len}); without chunked prefill it must be >= max_model_len"
             )
+        if not enable_chunked_prefill and long_prefill_token_threshold:
+            # A capped prompt could never be admitted whole: it would wait forever.
+            raise InvalidRequestError(
+                f"scheduler.long_prefill_token_threshold: {long_prefill_token_threshold} caps prefill chunks; "
+                f"it needs enable_chunked_prefill (or 0)"
+            )
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue()
         self.running: list[Request] = []  # in policy order (sorted by sort_key)
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
         self.step_preemptions = 0
+        self.step_scheduled_tokens = 0
 
     # --- requests in and out -----------------------------------------------------------
     def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -208,8 +218,9 @@ class Scheduler:
         self.waiting.push(request)  # same sort_key: back at its place in the order
         output.preempted_request_ids.append(request.request_id)
 
-    def _chunk(self, request: Request, budget: int) -> int:
-        n = min(request.num_tokens - request.num_computed_tokens, budget)
+    def _chunk(self, request: Request, budget: int, num_computed: int) -> int:
+        """Tokens to schedule for ``request`` after its first ``num_computed`` tokens."""
+        n = min(request.num_tokens - num_computed, budget)
         if self.long_prefill_token_threshold:
             n = min(n, self.long_prefill_token_threshold)
         return n
@@ -217,14 +228,16 @@ class Scheduler:
     def _displace(self, output: SchedulerOutput) -> None:
         while self.running:
             head = self.waiting.peek()
-            if head is None:
+            # The running list is in policy order: a head that does not sort before its last
+            # request sorts before no victim (the common case, checked in O(1)).
+            if head is None or not head.sort_key < self.running[-1].sort_key:
                 return
             victim = self.policy.select_victim(self.running)
             if not head.sort_key < victim.sort_key:
                 return
             if len(self.running) < self.max_num_seqs:
-                blocks, _ = self.kv.get_computed_blocks(head, record_stats=False)
-                chunk = self._chunk(head, self.max_num_batched_tokens)
+                blocks, num_cached = self.kv.get_computed_blocks(head, record_stats=False)
+                chunk = self._chunk(head, self.max_num_batched_tokens, num_cached)
                 if self.kv.num_blocks_to_allocate(head, chunk, blocks) <= self.kv.num_free_blocks:
                     return  # it fits without displacing anyone
             self._preempt(victim, output)
@@ -240,10 +253,15 @@ class Scheduler:
         now = time.monotonic()
 
         # Running requests, in order; victims come from those not yet scheduled (index >= i).
+        threshold = self.long_prefill_token_threshold
+        scheduled = output.scheduled
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = self._chunk(request, budget)
+            # _chunk, inlined: this loop runs for every running request at every step.
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if threshold and num_new > threshold:
+                num_new = threshold
             if num_new <= 0:  # waiting for tokens that another step produces
                 i += 1
                 continue
@@ -257,7 +275,7 @@ class Scheduler:
                     break
             if new_blocks is None:
                 continue  # it preempted itself; running[i] is now the next request
-            output.scheduled.append(
+            scheduled.append(
                 ScheduledRequest(request, request.num_computed_tokens, num_new, [b.block_id for b in new_blocks])
             )
             request.num_computed_tokens += num_new
@@ -271,15 +289,14 @@ class Scheduler:
             request = self.waiting.peek()
             if request is None:
                 break
+            # allocate_slots counts the hits on top of num_computed_tokens, which stays 0 until
+            # the request is admitted.
             computed_blocks, num_cached = self.kv.get_computed_blocks(request, record_stats=False)
-            request.num_computed_tokens = num_cached
-            num_new = self._chunk(request, budget)
+            num_new = self._chunk(request, budget, num_cached)
             if not self.enable_chunked_prefill and num_new < request.num_tokens - num_cached:
-                request.num_computed_tokens = 0
                 break
             new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks)
             if new_blocks is None:
-                request.num_computed_tokens = 0
                 break
             self.waiting.pop()
             self._record_prefix_stats(request, num_cached)
@@ -292,8 +309,9 @@ class Scheduler:
             output.scheduled.append(
                 ScheduledRequest(request, num_cached, num_new, [b.block_id for b in computed_blocks + new_blocks])
             )
-            request.num_computed_tokens += num_new
+            request.num_computed_tokens = num_cached + num_new
             budget -= num_new
+        self.step_scheduled_tokens = self.max_num_batched_tokens - budget
         return output
 
     def _record_prefix_stats(self, request: Request, num_cached: int) -> None:
@@ -311,7 +329,9 @@ class Scheduler:
         for scheduled in output.scheduled:
             request = scheduled.request
             token = sampled_token_ids.get(request.request_id)
-            if token is None or request.is_finished:
+            # Skip a request still in prefill, and one aborted since it was scheduled (a request
+            # in the output is RUNNING otherwise: nothing preempts it before the next step).
+            if token is None or not scheduled.samples or request.status is not RequestStatus.RUNNING:
                 continue
             request.append_output_token(token)
             if request.first_token_time is None:
@@ -326,12 +346,13 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
+        num_output = len(request.output_token_ids)
+        if num_output >= params.min_tokens:
             if token in params.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if not params.ignore_eos and token == request.eos_token_id:
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        if num_output >= request.max_tokens or len(request.all_token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
@@ -342,6 +363,7 @@ class Scheduler:
             kv_usage=self.kv.usage,
             num_preemptions=self.num_preemptions,
             step_preemptions=self.step_preemptions,
+            step_scheduled_tokens=self.step_scheduled_tokens,
         )
 
 

@@ -1,0 +1,1 @@
+"""Paged-attention backends (each: metadata builder + KV write + attention forward)."""

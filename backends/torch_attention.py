@@ -1,0 +1,206 @@
+"""The reference paged-attention backend: plain PyTorch, any device, fp32 / bf16 / fp16.
+
+One step: ``build_metadata`` turns the ``BatchInputs`` into gather indices and masks (once, shared
+by every layer); each layer's ``forward`` then
+
+1. writes the new K/V into its cache at ``slot_mapping`` (``index_copy_`` on the cache flattened
+   to ``[num_blocks * block_size, num_kv_heads, head_dim]``), before anything is read, so a
+   request may read blocks that another request of the same step has just written;
+2. attends, decodes and prefill chunks separately:
+
+   - decodes (query length 1, the first ``num_decodes`` requests), as one batch: whole blocks
+     ``block_table[:B, :num_blocks]`` are gathered with ``index_select`` into a persistent buffer
+     viewed as ``[B, max_len, Hkv, D]``, the rows past each request's ``seq_len`` are zeroed (the
+     padding blocks and the stale tail of the last block may hold anything, even NaN: a masked
+     NaN still poisons a softmax), and one SDPA call with ``enable_gqa=True`` and a key-padding
+     mask attends over the strided ``[B, Hkv, max_len, D]`` view (no ``repeat_interleave``, no
+     ``.contiguous()``: see shared/facts.md, "Attention on the CPU");
+   - prefill chunks, one SDPA call each (there are few per step): the chunk's context, exactly
+     positions ``0 .. seq_len - 1``, is gathered token by token through its slots. The queries
+     are the last ``q_len`` of those positions, so query ``t`` sees positions
+     ``<= seq_len - q_len + t``: a bottom-right causal mask. SDPA's ``is_causal`` is top-left
+     aligned and is used only when there is no cached prefix (``q_len == seq_len``).
+
+Invariants: caches are contiguous ``[num_blocks, block_size, num_kv_heads, head_dim]`` (as
+``default_allocate_kv_cache`` makes them); ``num_heads`` is a multiple of ``num_kv_heads``
+(query head ``h`` uses KV head ``h // (num_heads // num_kv_heads)``); scale ``head_dim ** -0.5``.
+Attention runs in the cache dtype; the output has the query's dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from paged.core.attention import AttentionLayout, BatchInputs, default_allocate_kv_cache
+from paged.core.kv_cache_manager import cdiv
+
+
+@dataclass
+class DecodeMetadata:
+    """The first ``num_decodes`` requests, gathered as a padded batch of ``max_len`` positions."""
+
+    num_decodes: int
+    num_blocks: int  # blocks gathered per request: enough for the longest decode context
+    block_ids: torch.Tensor  # [num_decodes * num_blocks] int64: block_table[:B, :num_blocks]
+    pad_rows: torch.Tensor | None  # [n] int64 rows b * max_len + j, j >= seq_lens[b]; None if n == 0
+    attn_mask: torch.Tensor | None  # [B, 1, 1, max_len] bool, True = attend; None if no padding
+
+
+@dataclass
+class PrefillChunk:
+    """One prefill request: queries ``query_start:query_end``, context rows
+    ``context_start:context_end`` of the gathered prefill context."""
+
+    query_start: int
+    query_end: int
+    context_start: int
+    context_end: int
+    attn_mask: torch.Tensor | None  # [q_len, seq_len] bool bottom-right causal, None if not needed
+    is_causal: bool  # no cached prefix (q_len == seq_len): top-left equals bottom-right
+
+
+@dataclass
+class TorchAttentionMetadata:
+    num_tokens: int
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    decode: DecodeMetadata | None
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    prefill_slots: torch.Tensor | None = None  # [sum of prefill seq_lens] int64, in chunk order
+
+
+class TorchAttentionBackend:
+    """Paged attention with ``index_select`` gathers and ``scaled_dot_product_attention``."""
+
+    name = "torch"
+
+    def __init__(self, layout: AttentionLayout, options: Any = None) -> None:
+        if layout.num_heads % layout.num_kv_heads:
+            raise ValueError(f"num_heads {layout.num_heads} is not a multiple of num_kv_heads {layout.num_kv_heads}")
+        self.layout = layout
+        self.options = options
+        self._buffers: dict[str, torch.Tensor] = {}  # gather scratch, reused by every layer and step
+
+    def allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return default_allocate_kv_cache(self.layout, num_blocks)
+
+    # ---- once per step -------------------------------------------------------------------------
+
+    def build_metadata(self, batch: BatchInputs) -> TorchAttentionMetadata:
+        device = batch.block_table.device
+        block_size = self.layout.block_size
+        seq_lens = batch.seq_lens_cpu.tolist()
+        query_start_loc = batch.query_start_loc_cpu.tolist()
+        num_decodes = batch.num_decodes
+
+        assert query_start_loc[num_decodes] == num_decodes, "decodes (query length 1) must come first"
+        decode = None
+        if num_decodes:
+            num_blocks = cdiv(max(seq_lens[:num_decodes]), block_size)
+            max_len = num_blocks * block_size
+            block_ids = batch.block_table[:num_decodes, :num_blocks].reshape(-1).long()
+            # padding found on the CPU copies: no device sync
+            is_pad = torch.arange(max_len) >= batch.seq_lens_cpu[:num_decodes, None]
+            pad_rows = attn_mask = None
+            if bool(is_pad.any()):
+                pad_rows = is_pad.view(-1).nonzero().view(-1).to(device)
+                attn_mask = (~is_pad).view(num_decodes, 1, 1, max_len).to(device)
+            decode = DecodeMetadata(num_decodes, num_blocks, block_ids, pad_rows, attn_mask)
+
+        prefills: list[PrefillChunk] = []
+        slots: list[torch.Tensor] = []
+        context_start = 0
+        for i in range(num_decodes, batch.num_reqs):
+            q_start, q_end, seq_len = query_start_loc[i], query_start_loc[i + 1], seq_lens[i]
+            q_len = q_end - q_start
+            positions = torch.arange(seq_len, device=device)
+            slots.append(batch.block_table[i, positions // block_size].long() * block_size + positions % block_size)
+            attn_mask = None
+            if 1 < q_len < seq_len:  # cached prefix: bottom-right causal
+                query_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+                attn_mask = positions[None, :] <= query_pos[:, None]
+            prefills.append(
+                PrefillChunk(q_start, q_end, context_start, context_start + seq_len, attn_mask, q_len == seq_len > 1)
+            )
+            context_start += seq_len
+
+        return TorchAttentionMetadata(
+            num_tokens=batch.num_tokens,
+            slot_mapping=batch.slot_mapping.long(),
+            decode=decode,
+            prefills=prefills,
+            prefill_slots=torch.cat(slots) if slots else None,
+        )
+
+    # ---- per layer -----------------------------------------------------------------------------
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: TorchAttentionMetadata,
+    ) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        _, _, num_kv_heads, head_dim = k_cache.shape
+        k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # view: fails loudly on a non-contiguous cache
+        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+        k_flat.index_copy_(0, metadata.slot_mapping, key.to(k_cache.dtype))
+        v_flat.index_copy_(0, metadata.slot_mapping, value.to(v_cache.dtype))
+
+        q = query.to(k_cache.dtype)
+        out = torch.empty(query.shape, dtype=k_cache.dtype, device=query.device)
+        if metadata.decode is not None:
+            self._decode(q, k_cache, v_cache, metadata.decode, out)
+        if metadata.prefills:
+            self._prefill(q, k_flat, v_flat, metadata, out)
+        return out.to(query.dtype)
+
+    def _decode(self, q, k_cache, v_cache, meta: DecodeMetadata, out) -> None:
+        batch, num_blocks = meta.num_decodes, meta.num_blocks
+        _, block_size, num_kv_heads, head_dim = k_cache.shape
+        max_len = num_blocks * block_size
+        shape = (batch * num_blocks, block_size, num_kv_heads, head_dim)
+        kv = []
+        for name, cache in (("decode_k", k_cache), ("decode_v", v_cache)):
+            buf = self._scratch(name, shape, cache)
+            torch.index_select(cache, 0, meta.block_ids, out=buf)
+            rows = buf.view(batch * max_len, num_kv_heads, head_dim)
+            if meta.pad_rows is not None:
+                rows.index_fill_(0, meta.pad_rows, 0)
+            kv.append(rows.view(batch, max_len, num_kv_heads, head_dim).transpose(1, 2))  # strided view
+        o = F.scaled_dot_product_attention(
+            q[:batch].unsqueeze(2), kv[0], kv[1], attn_mask=meta.attn_mask, scale=self.layout.scale, enable_gqa=True
+        )  # [B, H, 1, D]
+        out[:batch] = o.squeeze(2)
+
+    def _prefill(self, q, k_flat, v_flat, meta: TorchAttentionMetadata, out) -> None:
+        shape = (meta.prefill_slots.numel(), *k_flat.shape[1:])
+        k_ctx = torch.index_select(k_flat, 0, meta.prefill_slots, out=self._scratch("prefill_k", shape, k_flat))
+        v_ctx = torch.index_select(v_flat, 0, meta.prefill_slots, out=self._scratch("prefill_v", shape, v_flat))
+        for c in meta.prefills:
+            o = F.scaled_dot_product_attention(
+                q[c.query_start : c.query_end].transpose(0, 1).unsqueeze(0),  # [1, H, q_len, D]
+                k_ctx[c.context_start : c.context_end].transpose(0, 1).unsqueeze(0),  # [1, Hkv, seq_len, D]
+                v_ctx[c.context_start : c.context_end].transpose(0, 1).unsqueeze(0),
+                attn_mask=c.attn_mask,
+                is_causal=c.is_causal,
+                scale=self.layout.scale,
+                enable_gqa=True,
+            )
+            out[c.query_start : c.query_end] = o[0].transpose(0, 1)
+
+    def _scratch(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """A contiguous ``shape`` view of a persistent buffer that only ever grows."""
+        numel = 1
+        for n in shape:
+            numel *= n
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+            buf = torch.empty(numel, dtype=like.dtype, device=like.device)
+            self._buffers[name] = buf
+        return buf[:numel].view(shape)

@@ -1,0 +1,395 @@
+"""Batched token sampling with per-request parameters.
+
+The model runner calls :meth:`Sampler.sample` once per step with one row of logits per request.
+Per row, in this order (the order vLLM uses):
+
+1. repetition penalty (HF semantics) over prompt + output tokens;
+2. frequency and presence penalties (OpenAI semantics) over output tokens only;
+3. ``min_tokens``: while the request has fewer output tokens, its EOS token (unless
+   ``ignore_eos``) and its ``stop_token_ids`` get ``-inf``;
+4. logprobs, when asked for, are the ``log_softmax`` of the logits at this point: after the
+   penalties and the ``min_tokens`` mask, before temperature / top-k / top-p / min-p. They
+   describe the model's (penalised) distribution, not the truncated one that was sampled from,
+   so a token outside the top-p set still has a finite logprob and a meaningful rank;
+5. greedy (``temperature == 0``): argmax; otherwise divide by the temperature, keep the top-k
+   logits (ties with the k-th are kept), renormalise and keep the smallest set whose mass is
+   >= top_p (the most likely token always stays), drop tokens whose probability is below
+   ``min_p`` times the largest one, and sample.
+
+Sampling is by inverse CDF: one float64 uniform ``u`` per row picks the first token whose
+cumulative probability reaches ``1 - u`` (cumulative sums in float64, over blocks of 256 tokens
+and then inside the chosen block, so even tokens of probability 1e-9 get exactly their share).
+A request with a ``seed`` draws its ``u`` from its own ``torch.Generator`` (created on first use,
+kept across steps under its request id, advanced by one draw per sampled token), so its tokens
+do not depend on the rest of the batch or on its position: every step is applied row by row
+with the request's own parameters only. Unseeded requests share the sampler's generator (seeded
+from ``seed`` if given, else from os.urandom). Greedy rows draw nothing. (Drawing one uniform
+per token rather than vocabulary-sized noise for an exponential race / Gumbel-max is what makes
+sampling cheap on CPU.)
+
+The common cases stay cheap: a batch where nobody uses penalties / ``min_tokens`` / logprobs
+and everyone is greedy is a single ``argmax``; penalties touch only the
+(row, token) pairs concerned; each filter runs only on the rows that use it; top-k uses
+``torch.topk``; top-p looks for its set among the 256 (then 4096) most likely tokens and sorts the
+whole vocabulary only for rows whose distribution is too flat for that.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from paged.core.request import Request
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob information for one sampled token."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token (1 + the number of tokens with a strictly larger logprob)
+    top: list[tuple[int, float]]  # the sampling_params.logprobs most likely (token_id, logprob), best first
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per request, in order
+    logprobs: list[TokenLogprobs | None]  # None where sampling_params.logprobs is None
+
+
+def _rows_of(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``x[rows]``; ``x`` itself when that is all of its rows."""
+    if len(rows) == x.shape[0]:
+        return x
+    return x[torch.tensor(rows, device=x.device)]
+
+
+# Candidate set sizes for top-p: the kept set is found within the K most likely tokens when their
+# mass reaches top_p (almost always at K = 256); a full sort of the vocabulary is the last resort.
+_TOP_P_CANDIDATES = (256, 4096)
+
+
+def _top_p(logits: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """Keep, per row, the smallest most-likely set whose probability is >= top_p."""
+    num, vocab = logits.shape
+    dev = logits.device
+    probs = logits.softmax(dim=-1)
+    ps = torch.tensor(top_p, dtype=torch.float32, device=dev)
+    out = torch.full_like(logits, _NEG_INF)
+    todo = torch.arange(num, device=dev)
+    for k in (*_TOP_P_CANDIDATES, vocab):
+        k = min(k, vocab)
+        sub = probs[todo] if todo.numel() < num else probs
+        if k < vocab:
+            vals, idx = sub.topk(k, dim=-1)
+        else:
+            vals, idx = sub.sort(dim=-1, descending=True)
+        cum = vals.cumsum(dim=-1)
+        row_ps = ps[todo][:, None]
+        # Token j stays while the mass strictly above it is < top_p; the top token always stays.
+        keep = (cum - vals) < row_ps
+        keep[:, 0] = True
+        done = (cum[:, -1] >= row_ps[:, 0]) if k < vocab else torch.ones_like(keep[:, 0])
+        if bool(done.all()):
+            rows, sel_idx, sel_keep = todo, idx, keep
+        else:
+            rows, sel_idx, sel_keep = todo[done], idx[done], keep[done]
+        if rows.numel():
+            src = logits if rows.numel() == num else logits[rows]
+            kept = src.gather(1, sel_idx).masked_fill_(~sel_keep, _NEG_INF)
+            if rows.numel() == num:
+                out.scatter_(1, sel_idx, kept)
+            else:
+                out[rows[:, None], sel_idx] = kept
+        todo = todo[~done]
+        if todo.numel() == 0:
+            break
+    return out
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token whose cumulative weight reaches ``(1 - u) * total``.
+
+    ``weights`` [rows, vocab] >= 0 (each row with a positive sum), ``u`` [rows] float64 in
+    [0, 1). Picks token i with probability weights[i] / total; a zero-weight token is never
+    picked. Two levels, so that only small cumulative sums are needed and they can be float64
+    (a float32 cumulative sum over the whole vocabulary would round the weight of each token
+    below ~1e-7 to a multiple of the float32 spacing near 1): block sums over blocks of up to
+    256 tokens, then the cumulative sum inside the chosen block.
+    """
+    rows, vocab = weights.shape
+    dev = weights.device
+    block = min(256, vocab)
+    while vocab % block and block > 32:
+        block //= 2
+    if vocab % block:
+        weights = torch.nn.functional.pad(weights, (0, block - vocab % block))
+    blocks = weights.view(rows, -1, block)
+    mass = blocks.sum(dim=-1).to(torch.float64)  # [rows, n_blocks]
+    cum = mass.cumsum(dim=-1)
+    target = (1.0 - u)[:, None] * cum[:, -1:]  # in (0, total]
+    b = torch.searchsorted(cum, target).clamp_(max=mass.shape[1] - 1)  # [rows, 1]: first cum >= target
+    before = torch.where(b > 0, cum.gather(1, (b - 1).clamp_(min=0)), torch.zeros_like(target))
+    frac = (target - before) / mass.gather(1, b)  # in (0, 1] up to rounding
+    inner = blocks[torch.arange(rows, device=dev), b[:, 0]].to(torch.float64).cumsum(dim=-1)  # [rows, block]
+    inner_target = torch.minimum(frac * inner[:, -1:], inner[:, -1:])
+    inner_target = torch.maximum(inner_target, torch.full_like(inner_target, torch.finfo(torch.float64).tiny))
+    t = torch.searchsorted(inner, inner_target).clamp_(max=block - 1)
+    return (b * block + t)[:, 0]
+
+
+class Sampler:
+    """Samples one token per request from a batch of logits."""
+
+    def __init__(self, vocab_size: int, device, seed: int | None = None) -> None:
+        self.vocab_size = int(vocab_size)
+        self.device = torch.device(device)
+        self._generator = torch.Generator(device=self.device)
+        if seed is None:
+            seed = int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
+        self._generator.manual_seed(seed)
+        self._seeded: dict[str, torch.Generator] = {}
+
+    # ------------------------------------------------------------------ state
+
+    def forget(self, request_ids: Iterable[str] | str) -> None:
+        """Drop per-request state (seeded generators) of requests that are finished."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            self._seeded.pop(rid, None)
+
+    def _generator_for(self, request: Request) -> torch.Generator:
+        gen = self._seeded.get(request.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(request.sampling_params.seed % (1 << 64))  # any int is a valid seed
+            self._seeded[request.request_id] = gen
+        return gen
+
+    # --------------------------------------------------------------- sampling
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        num = len(requests)
+        if logits.dim() != 2 or logits.shape[0] != num:
+            raise ValueError(f"logits must be [len(requests)={num}, vocab], got {tuple(logits.shape)}")
+        if num == 0:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        if logits.shape[1] > self.vocab_size:  # padded vocabulary: ignore the padding columns
+            logits = logits[:, : self.vocab_size]
+        params = [r.sampling_params for r in requests]
+
+        use_rep = any(p.repetition_penalty != 1.0 for p in params)
+        use_freq_pres = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params)
+        min_tok_rows = [i for i, (r, p) in enumerate(zip(requests, params)) if len(r.output_token_ids) < p.min_tokens]
+        want_logprobs = any(p.logprobs is not None for p in params)
+        all_greedy = all(p.temperature == 0.0 for p in params)
+
+        # Fast path: a plain greedy batch is one argmax. (The float32 conversion is exact; on CPU,
+        # where half-precision argmax is slow, converting first is faster.)
+        if all_greedy and not (use_rep or use_freq_pres or min_tok_rows or want_logprobs):
+            if logits.device.type == "cpu":
+                logits = logits.to(torch.float32)
+            return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * num)
+
+        copied = bool(use_rep or use_freq_pres or min_tok_rows)
+        if copied:
+            # One private float32 copy that the penalties and the mask then edit in place.
+            logits = logits.to(torch.float32, copy=True)
+            if use_rep or use_freq_pres:
+                self._apply_penalties(logits, requests, use_rep, use_freq_pres)
+            if min_tok_rows:
+                self._apply_min_tokens(logits, requests, min_tok_rows)
+        else:
+            logits = logits.to(torch.float32)  # may be the caller's tensor: not written to below
+
+        lp_rows: list[int] = []
+        logprobs_all = None
+        if want_logprobs:
+            lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+            logprobs_all = torch.log_softmax(_rows_of(logits, lp_rows), dim=-1)
+
+        if all_greedy:
+            token_ids = logits.argmax(dim=-1)
+        else:
+            random_rows = [i for i, p in enumerate(params) if p.temperature != 0.0]
+            private = copied or len(random_rows) < num  # x[idx] is a copy
+            sampled = self._sample_random(_rows_of(logits, random_rows), [requests[i] for i in random_rows], private)
+            if len(random_rows) == num:
+                token_ids = sampled
+            else:
+                greedy_rows = [i for i, p in enumerate(params) if p.temperature == 0.0]
+                token_ids = torch.empty(num, dtype=torch.long, device=logits.device)
+                greedy = _rows_of(logits, greedy_rows).argmax(dim=-1)
+                token_ids[torch.tensor(greedy_rows, device=logits.device)] = greedy
+                token_ids[torch.tensor(random_rows, device=logits.device)] = sampled
+
+        out_logprobs: list[TokenLogprobs | None] = [None] * num
+        if logprobs_all is not None:
+            self._fill_logprobs(out_logprobs, logprobs_all, lp_rows, token_ids, params)
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=out_logprobs)
+
+    # -------------------------------------------------------------- penalties
+
+    @staticmethod
+    def _flat_indices(requests: list[Request], rows: list[int], attr: str, vocab: int, device) -> torch.Tensor:
+        """Flat indices row * vocab + token of the tokens in ``getattr(request, attr)`` of ``rows``."""
+        flat: list[int] = []
+        for i in rows:
+            base = i * vocab
+            flat.extend(base + t for t in getattr(requests[i], attr) if 0 <= t < vocab)
+        return torch.tensor(flat, dtype=torch.long, device=device)
+
+    def _apply_penalties(
+        self, logits: torch.Tensor, requests: list[Request], use_rep: bool, use_freq_pres: bool
+    ) -> None:
+        """In place, on the (row, token) pairs concerned only: no [batch, vocab] temporaries."""
+        num, vocab = logits.shape
+        dev = logits.device
+        flat_logits = logits.view(-1)
+        params = [r.sampling_params for r in requests]
+        if use_rep:
+            rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+            seen = torch.unique(self._flat_indices(requests, rows, "all_token_ids", vocab, dev))
+            if seen.numel():
+                pen = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=dev)
+                pen = pen[seen // vocab]
+                vals = flat_logits[seen]
+                flat_logits[seen] = torch.where(vals > 0, vals / pen, vals * pen)
+        if use_freq_pres:
+            rows = [i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
+            out, counts = torch.unique(
+                self._flat_indices(requests, rows, "output_token_ids", vocab, dev), return_counts=True
+            )
+            if out.numel():
+                freq = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=dev)
+                pres = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=dev)
+                row = out // vocab
+                flat_logits[out] -= freq[row] * counts.to(torch.float32) + pres[row]
+
+    @staticmethod
+    def _apply_min_tokens(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
+        vocab = logits.shape[1]
+        row_idx: list[int] = []
+        tok_idx: list[int] = []
+        for i in rows:
+            r = requests[i]
+            p = r.sampling_params
+            banned = set(p.stop_token_ids)
+            if r.eos_token_id is not None and not p.ignore_eos:
+                banned.add(r.eos_token_id)
+            for t in banned:
+                if 0 <= t < vocab:
+                    row_idx.append(i)
+                    tok_idx.append(t)
+        if row_idx:
+            dev = logits.device
+            logits[torch.tensor(row_idx, device=dev), torch.tensor(tok_idx, device=dev)] = _NEG_INF
+
+    # ---------------------------------------------------------------- random
+
+    def _sample_random(self, logits: torch.Tensor, requests: list[Request], private: bool) -> torch.Tensor:
+        """Sample one token per row (all rows have temperature > 0).
+
+        Every step below works row by row with the row's own parameters, so a row's result does
+        not depend on the other rows. ``private``: ``logits`` may be modified in place.
+        """
+        num, vocab = logits.shape
+        dev = logits.device
+        params = [r.sampling_params for r in requests]
+
+        temps = [p.temperature for p in params]
+        if any(t != 1.0 for t in temps):
+            logits = logits / torch.tensor(temps, dtype=torch.float32, device=dev)[:, None]
+            private = True
+
+        def _on_rows(x: torch.Tensor, rows: list[int], fn) -> torch.Tensor:
+            """``fn`` (which returns a new tensor) applied to the given rows of ``x``."""
+            nonlocal private
+            if len(rows) == num:
+                private = True
+                return fn(x)
+            if not private:
+                x, private = x.clone(), True
+            idx = torch.tensor(rows, device=dev)
+            return x.index_copy_(0, idx, fn(x[idx]))
+
+        # top-k: keep the logits >= the k-th largest (ties with it are kept).
+        topk_rows = [i for i, p in enumerate(params) if 0 < p.top_k < vocab]
+        if topk_rows:
+            ks = [params[i].top_k for i in topk_rows]
+
+            def top_k(sub: torch.Tensor) -> torch.Tensor:
+                kth = sub.topk(max(ks), dim=-1).values.gather(1, torch.tensor(ks, device=dev)[:, None] - 1)
+                return sub.masked_fill(sub < kth, _NEG_INF)
+
+            logits = _on_rows(logits, topk_rows, top_k)
+
+        # top-p, on the distribution renormalised after top-k.
+        topp_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
+        if topp_rows:
+            ps = [params[i].top_p for i in topp_rows]
+            logits = _on_rows(logits, topp_rows, lambda sub: _top_p(sub, ps))
+
+        # min-p: p_i < min_p * p_max  <=>  logit_i - logit_max < log(min_p). After top-k/top-p, which
+        # keep the top token and whose renormalisation leaves ratios unchanged: the three sets intersect.
+        minp_rows = [i for i, p in enumerate(params) if p.min_p > 0.0]
+        if minp_rows:
+            log_min_p = torch.tensor([math.log(params[i].min_p) for i in minp_rows], device=dev)[:, None]
+
+            def min_p(sub: torch.Tensor) -> torch.Tensor:
+                top = sub.max(dim=-1, keepdim=True).values
+                return sub.masked_fill(sub - top < log_min_p, _NEG_INF)
+
+            logits = _on_rows(logits, minp_rows, min_p)
+
+        probs = torch.softmax(logits, dim=-1)
+
+        # One float64 uniform per row: from the request's own generator when it has a seed.
+        unseeded = [i for i, p in enumerate(params) if p.seed is None]
+        if len(unseeded) == num:
+            u = torch.rand(num, dtype=torch.float64, device=dev, generator=self._generator)
+        else:
+            u = torch.empty(num, dtype=torch.float64, device=dev)
+            if unseeded:
+                u[torch.tensor(unseeded, device=dev)] = torch.rand(
+                    len(unseeded), dtype=torch.float64, device=dev, generator=self._generator
+                )
+            seeded = [i for i, p in enumerate(params) if p.seed is not None]
+            draws = [
+                torch.rand(1, dtype=torch.float64, device=dev, generator=self._generator_for(requests[i]))
+                for i in seeded
+            ]
+            u[torch.tensor(seeded, device=dev)] = torch.cat(draws)
+        return _inverse_cdf(probs, u)
+
+    # -------------------------------------------------------------- logprobs
+
+    @staticmethod
+    def _fill_logprobs(
+        out: list[TokenLogprobs | None],
+        logprobs: torch.Tensor,
+        rows: list[int],
+        token_ids: torch.Tensor,
+        params,
+    ) -> None:
+        dev = logprobs.device
+        toks = token_ids[torch.tensor(rows, device=dev)] if len(rows) < token_ids.shape[0] else token_ids
+        chosen = logprobs.gather(1, toks[:, None])
+        ranks = (logprobs > chosen).sum(dim=-1) + 1
+        max_k = max(params[i].logprobs for i in rows)
+        if max_k > 0:
+            top_vals, top_idx = logprobs.topk(min(max_k, logprobs.shape[1]), dim=-1)
+            top_vals_l, top_idx_l = top_vals.tolist(), top_idx.tolist()
+        chosen_l, ranks_l, toks_l = chosen[:, 0].tolist(), ranks.tolist(), toks.tolist()
+        for j, i in enumerate(rows):
+            k = params[i].logprobs
+            top = list(zip(top_idx_l[j][:k], top_vals_l[j][:k])) if k > 0 else []
+            out[i] = TokenLogprobs(token_id=toks_l[j], logprob=chosen_l[j], rank=ranks_l[j], top=top)

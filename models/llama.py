@@ -1,0 +1,240 @@
+"""Llama (and, through a subclass, Qwen2) for causal LM over a paged KV cache.
+
+Contract relied on by the model runner::
+
+    model = LlamaForCausalLM(hf_config, backend, dtype, device)
+    model.load_weights(iter_of_(hf_name, tensor))
+    hidden = model(input_ids[T], positions[T], kv_caches, attn_metadata)   # [T, hidden_size]
+    logits = model.compute_logits(hidden[N])                               # [N, vocab] float32
+    attention_shape(hf_config) -> (num_layers, num_heads, num_kv_heads, head_dim)
+
+Module names follow the HF checkpoint except for the fused projections: ``qkv_proj`` (loaded
+from ``q_proj``, ``k_proj``, ``v_proj``) and ``gate_up_proj`` (from ``gate_proj``, ``up_proj``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from paged.core.errors import ModelLoadError
+from paged.models.layers import Attention, Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, rope_settings
+
+
+def attention_shape(hf_config: Any) -> tuple[int, int, int, int]:
+    """``(num_layers, num_heads, num_kv_heads, head_dim)``; ``head_dim`` is the config's when it
+    has one, else ``hidden_size // num_attention_heads``."""
+    num_heads = int(hf_config.num_attention_heads)
+    num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_heads)
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    return int(hf_config.num_hidden_layers), num_heads, num_kv_heads, int(head_dim)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        rotary: RotaryEmbedding,
+        backend: Any,
+        biases: tuple[bool, bool, bool],
+        *,
+        dtype: torch.dtype,
+        device,
+    ) -> None:
+        super().__init__()
+        _, num_heads, num_kv_heads, head_dim = attention_shape(config)
+        qkv_bias, o_bias, mlp_bias = biases
+        eps = float(config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
+        self.self_attn = Attention(
+            config.hidden_size,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            rotary,
+            backend,
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            dtype=dtype,
+            device=device,
+        )
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, mlp_bias, dtype=dtype, device=device)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: Any,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata, cos_sin)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self, config: Any, backend: Any, biases: tuple[bool, bool, bool], *, dtype: torch.dtype, device
+    ) -> None:
+        super().__init__()
+        _, _, _, head_dim = attention_shape(config)
+        theta, scaling = rope_settings(config)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.rotary_emb = RotaryEmbedding(
+            head_dim, int(config.max_position_embeddings), theta, scaling, device=device
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, self.rotary_emb, backend, biases, dtype=dtype, device=device)
+            for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, float(config.rms_norm_eps), dtype=dtype, device=device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn_metadata: Any,
+    ) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        cos_sin = self.rotary_emb.lookup(positions, hidden_states.dtype)  # once, for every layer
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata, cos_sin)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+def _listing(items: list[str], limit: int = 12) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f", ... and {len(items) - limit} more" if len(items) > limit else "")
+
+
+class LlamaForCausalLM(nn.Module):
+    """``LlamaForCausalLM`` of HF: RMSNorm, rotary (default or llama3 scaling), GQA, gated SiLU."""
+
+    architecture = "LlamaForCausalLM"
+
+    def __init__(self, hf_config: Any, backend: Any, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.check_config(hf_config)
+        self.config = hf_config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.model = LlamaModel(hf_config, backend, self.biases(hf_config), dtype=dtype, device=self.device)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, dtype=dtype, device="meta")
+            self.lm_head.weight = self.model.embed_tokens.weight
+        else:
+            self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, dtype=dtype, device=self.device)
+
+    # ---- what differs between the architectures ------------------------------------------------
+
+    @classmethod
+    def biases(cls, hf_config: Any) -> tuple[bool, bool, bool]:
+        """``(qkv_bias, o_proj_bias, mlp_bias)``."""
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        return attention_bias, attention_bias, bool(getattr(hf_config, "mlp_bias", False))
+
+    @classmethod
+    def check_config(cls, hf_config: Any) -> None:
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act != "silu":
+            raise ModelLoadError(f"{cls.architecture}: hidden_act {act!r} is not supported (only 'silu')")
+        _, num_heads, num_kv_heads, _ = attention_shape(hf_config)
+        if num_heads % num_kv_heads:
+            raise ModelLoadError(
+                f"{cls.architecture}: num_attention_heads {num_heads} is not a multiple of "
+                f"num_key_value_heads {num_kv_heads}"
+            )
+
+    attention_shape = staticmethod(attention_shape)
+
+    # ---- forward ---------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn_metadata: Any,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states).float()
+
+    # ---- weights ---------------------------------------------------------------------------------
+
+    def _expected_tensors(self) -> dict[str, tuple[nn.Parameter, int, int]]:
+        """Checkpoint name -> (parameter, first row, number of rows) that it fills."""
+        expected: dict[str, tuple[nn.Parameter, int, int]] = {}
+        modules = dict(self.named_modules())
+        for name, param in self.named_parameters():  # a tied lm_head shows up once, as the embedding
+            module_name, _, kind = name.rpartition(".")  # kind: weight | bias
+            parent, _, leaf = module_name.rpartition(".")
+            if leaf == "qkv_proj":
+                attn = modules[parent]
+                shards = [("q_proj", attn.q_size), ("k_proj", attn.kv_size), ("v_proj", attn.kv_size)]
+            elif leaf == "gate_up_proj":
+                size = modules[parent].intermediate_size
+                shards = [("gate_proj", size), ("up_proj", size)]
+            else:
+                expected[name] = (param, 0, param.shape[0])
+                continue
+            start = 0
+            for shard, size in shards:
+                expected[f"{parent}.{shard}.{kind}"] = (param, start, size)
+                start += size
+        return expected
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the (fused) parameters, converting dtype and device.
+
+        Raises ModelLoadError naming every missing tensor, unexpected tensor and shape mismatch.
+        ``rotary_emb.*`` buffers are ignored; so is ``lm_head.weight`` when embeddings are tied.
+        """
+        expected = self._expected_tensors()
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        mismatched: list[str] = []
+        with torch.no_grad():
+            for name, tensor in weights:
+                if "rotary_emb." in name or (self.tie_word_embeddings and name == "lm_head.weight"):
+                    continue
+                target = expected.get(name)
+                if target is None:
+                    unexpected.append(name)
+                    continue
+                param, start, size = target
+                dest = param.narrow(0, start, size)
+                if tuple(dest.shape) != tuple(tensor.shape):
+                    mismatched.append(
+                        f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(dest.shape)}"
+                    )
+                    loaded.add(name)  # present, reported as a mismatch rather than as missing
+                    continue
+                dest.copy_(tensor)
+                loaded.add(name)
+        missing = [name for name in expected if name not in loaded]
+        if missing or unexpected or mismatched:
+            parts = []
+            if missing:
+                parts.append(f"missing tensors ({len(missing)}): {_listing(missing)}")
+            if unexpected:
+                parts.append(f"unexpected tensors ({len(unexpected)}): {_listing(unexpected)}")
+            if mismatched:
+                parts.append(f"shape mismatches ({len(mismatched)}): {_listing(mismatched, 6)}")
+            raise ModelLoadError(f"{self.architecture}: the checkpoint does not fit the model: " + "; ".join(parts))
+

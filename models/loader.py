@@ -1,0 +1,193 @@
+"""From a ``model`` setting to a loaded model: resolve the directory, read the HF config and
+tokenizer, iterate the safetensors weights (memory-mapped; never pickle), pick the dtype, build.
+
+Only local files are used: a directory with ``config.json`` + ``*.safetensors``, a ``.gguf`` file
+(converted once into such a directory, see ``paged.models.gguf``), or nothing, meaning the
+embedded SmolLM2-135M-Instruct.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from paged.core.errors import ModelLoadError
+
+logger = logging.getLogger("paged")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_INDEX_FILE = "model.safetensors.index.json"
+
+
+# ---- where the model is --------------------------------------------------------------------
+
+
+def resolve_model_dir(model: str | Path | None) -> Path:
+    """``None`` -> the embedded default (converted from its GGUF on first use); a ``.gguf`` file
+    -> its converted directory (cached); a directory with ``config.json`` -> itself."""
+    from paged.models import gguf
+
+    if model is None or str(model) == "":
+        return gguf.default_model_dir()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"model: {str(model)!r} does not exist. Give a local HF model directory (config.json + "
+            "*.safetensors) or a .gguf file, or leave model unset for the embedded "
+            "SmolLM2-135M-Instruct; paged does not download from the Hugging Face hub."
+        )
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return gguf.converted_model_dir(path)
+        raise ModelLoadError(
+            f"model: {str(model)!r} is a file but not a .gguf file; give a model directory or a .gguf file"
+        )
+    if not (path / "config.json").is_file():
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        hint = f" It holds GGUF files: pass one of them as the model: {', '.join(ggufs)}." if ggufs else ""
+        raise ModelLoadError(
+            f"model: directory {str(path)!r} has no config.json, so it is not an HF model directory.{hint}"
+        )
+    return path
+
+
+# ---- config, tokenizer -----------------------------------------------------------------------
+
+
+def load_hf_config(model_dir: str | Path) -> Any:
+    """The transformers config of a local model directory (``AutoConfig``, local files only)."""
+    from transformers import AutoConfig
+
+    model_dir = Path(model_dir)
+    try:
+        return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as e:  # unknown model_type, malformed json, ...
+        raw: dict = {}
+        try:
+            raw = json.loads((model_dir / "config.json").read_text())
+        except Exception:
+            pass
+        raise ModelLoadError(
+            f"model: cannot read {str(model_dir / 'config.json')!r} (model_type={raw.get('model_type')!r}, "
+            f"architectures={raw.get('architectures')!r}): {type(e).__name__}: {e}"
+        ) from e
+
+
+def model_architecture(hf_config: Any) -> str:
+    """The architecture name a ModelSpec is registered under (``config.architectures[0]``)."""
+    archs = getattr(hf_config, "architectures", None) or []
+    if not archs:
+        raise ModelLoadError(
+            f"model: config.json has no 'architectures' entry (model_type={getattr(hf_config, 'model_type', None)!r}); "
+            "cannot tell which model implementation to use"
+        )
+    return str(archs[0])
+
+
+def load_tokenizer(model_dir: str | Path) -> Any:
+    """``AutoTokenizer`` from a local directory (never the hub)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as e:
+        raise ModelLoadError(
+            f"tokenizer: cannot load a tokenizer from {str(model_dir)!r}: {type(e).__name__}: {e}"
+        ) from e
+
+
+# ---- weights ---------------------------------------------------------------------------------
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """The checkpoint's files: those named by ``model.safetensors.index.json`` when present,
+    else ``model.safetensors``, else every ``*.safetensors`` of the directory."""
+    model_dir = Path(model_dir)
+    index = model_dir / _INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except Exception as e:
+            raise ModelLoadError(f"model: cannot read {str(index)!r}: {type(e).__name__}: {e}") from e
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        absent = [str(f.name) for f in files if not f.is_file()]
+        if absent:
+            raise ModelLoadError(f"model: {str(index)!r} names shards that do not exist: {', '.join(absent)}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        others = sorted(p.name for p in model_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+        hint = f" (found {', '.join(others)}: paged never loads pickle checkpoints)" if others else ""
+        raise ModelLoadError(f"model: no .safetensors weights in {str(model_dir)!r}{hint}")
+    return files
+
+
+def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for every tensor of the checkpoint, memory-mapped on the CPU."""
+    from safetensors import safe_open
+
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+# ---- dtype, build ----------------------------------------------------------------------------
+
+
+def checkpoint_dtype(hf_config: Any) -> torch.dtype | None:
+    value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(value, str):
+        value = _DTYPES.get(value.replace("torch.", ""))
+    return value if isinstance(value, torch.dtype) else None
+
+
+def get_dtype(setting: str, hf_config: Any, device: torch.device | str) -> torch.dtype:
+    """The weights/activations dtype for ``model.dtype``.
+
+    ``auto``: float32 on the CPU. On a GPU the checkpoint's dtype when it is float16 or bfloat16;
+    a float32 (or unspecified) checkpoint runs in bfloat16 (float16 where the GPU lacks bf16),
+    since fp32 serving wastes the GPU and some kernels do not take it; ask for ``float32``
+    explicitly to get it.
+    """
+    if setting in _DTYPES:
+        return _DTYPES[setting]
+    if setting != "auto":
+        raise ModelLoadError(f"model.dtype: unknown value {setting!r}; accepted: auto, {', '.join(_DTYPES)}")
+    device = torch.device(device)
+    if device.type == "cpu":
+        return torch.float32
+    ckpt = checkpoint_dtype(hf_config)
+    if ckpt in (torch.float16, torch.bfloat16):
+        return ckpt
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return torch.bfloat16
+
+
+def build_model(
+    model_dir: str | Path,
+    hf_config: Any,
+    model_spec_factory: Callable[..., Any],
+    backend: Any,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> Any:
+    """Construct the model directly on ``dtype``/``device``, load its weights, eval mode."""
+    start = time.perf_counter()
+    model = model_spec_factory(hf_config, backend, dtype, torch.device(device))
+    model.load_weights(iter_safetensors(model_dir))
+    model.eval()
+    logger.info(
+        "loaded %s from %s (%s, %s) in %.2f s",
+        type(model).__name__, model_dir, str(dtype).replace("torch.", ""), device, time.perf_counter() - start,
+    )
+    return model

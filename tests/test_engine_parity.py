@@ -1,0 +1,56 @@
+"""Greedy token ids identical to HF transformers on the default model, under every mechanism
+that changes how the batch is computed: prefix caching on/off, chunked prefill, preemption and
+recompute, and both bundled policies."""
+
+import pytest
+
+from paged import LLM, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Write a haiku about the sea.",
+    "List three primary colors:",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "Once upon a time, in a small village at the edge of a dark forest, there lived",
+    "Q: What is 12 times 12?\nA:",
+    "Translate to French: Good morning, how are you today?",
+    "import numpy as np\nx = np.arange(10)\nprint(",
+    "The three laws of thermodynamics are",
+]
+
+MAX_NEW = 24
+
+pytestmark = pytest.mark.slow
+
+CASES = {
+    "prefix-caching-on": dict(enable_prefix_caching=True),
+    "prefix-caching-off": dict(enable_prefix_caching=False),
+    "every-prompt-chunked": dict(max_num_batched_tokens=8, long_prefill_token_threshold=5),
+    "preempted-and-recomputed": dict(num_kv_blocks=9, block_size=8, max_num_seqs=8),
+    "priority": dict(policy="priority", policy_options={"aging_s": 0}),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_ids_equal_hf(case, default_model_dir, hf_greedy):
+    llm = LLM(default_model_dir, device="cpu", attention="torch", **CASES[case])
+    tokenizer = llm.tokenizer
+    prompts = list(PROMPTS)
+    # Shared prefixes so the prefix cache has something to hit.
+    prompts += [PROMPTS[5] + " a dragon", PROMPTS[5] + " an old baker"]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)  # both stop at EOS
+    priority = [i % 3 for i in range(len(prompts))] if case == "priority" else None
+    outputs = llm.generate(prompts, params, priority=priority, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        expected = hf_greedy(tokenizer(prompt)["input_ids"], MAX_NEW)
+        assert output.outputs[0].token_ids == expected, prompt
+    stats = llm.engine.core.snapshot_stats()
+    if case == "preempted-and-recomputed":
+        assert stats.num_preemptions > 0
+    if case == "prefix-caching-on":
+        assert llm.engine.kv_cache_manager.prefix_cache_stats.hits > 0
+    if case == "prefix-caching-off":
+        assert llm.engine.kv_cache_manager.prefix_cache_stats.hits == 0
+    # Every block is back once everything finished.
+    assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.kv_cache_manager.num_blocks
