@@ -110,7 +110,8 @@ class TritonAttentionOptions(BaseModel):
 
 @dataclass
 class Launch:
-    """One attention launch: requests ``[req_lo, req_hi)``, their query tokens ``[tok_lo, tok_hi)``."""
+    """One attention launch over a contiguous range of requests (the decodes, or the prefill
+    chunks) whose query tokens are ``[tok_lo, tok_hi)`` of the step."""
 
     tile_req: torch.Tensor  # [num_tiles] int32: request index of each tile
     tile_start: torch.Tensor  # [num_tiles] int32: first query token of the tile, within its request
@@ -257,14 +258,15 @@ class TritonAttentionBackend:
         value = value.to(v_cache.dtype)
         _, block_size, num_kv_heads, head_dim = k_cache.shape
         width = num_kv_heads * head_dim
-        block_t = 16 if self.interpret else 8
-        self.kernels.write_kv[(triton_cdiv(num_tokens, block_t),)](
+        width_p = _pow2(width)
+        block_t = 16 if self.interpret else max(1, min(8, 8192 // width_p))  # <= 8K values per program
+        self.kernels.write_kv[(_cdiv(num_tokens, block_t),)](
             key, value, k_cache, v_cache, slot_mapping, num_tokens,
             key.stride(0), key.stride(1), key.stride(2),
             value.stride(0), value.stride(1), value.stride(2),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
-            BLOCK_SIZE=block_size, HEAD_DIM=head_dim, WIDTH=width, WIDTH_P=_pow2(width), BLOCK_T=block_t,
+            BLOCK_SIZE=block_size, HEAD_DIM=head_dim, WIDTH=width, WIDTH_P=width_p, BLOCK_T=block_t,
             num_warps=4,
         )  # fmt: skip
 
@@ -319,7 +321,7 @@ class TritonAttentionBackend:
         return buf[:numel].view(shape)
 
 
-def triton_cdiv(a: int, b: int) -> int:
+def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
