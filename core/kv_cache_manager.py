@@ -106,7 +106,8 @@ class KVCacheManager:
     ) -> list[KVCacheBlock] | None:
         """Give ``request`` slots for ``num_new_tokens`` more tokens (after its computed tokens
         and any prefix-cache hits in ``new_computed_blocks``). All or nothing: returns the newly
-        allocated blocks, or None (and changes nothing) if the free blocks do not suffice."""
+        allocated blocks, or None (and changes nothing) if the free blocks do not suffice.
+        ``request.num_computed_tokens`` must not count the hits yet: they are added here."""
         table = self.block_tables.get(request.request_id)
         if table and not new_computed_blocks:
             # Fast path (most decodes): the table ends with the block of the last computed token;

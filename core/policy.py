@@ -42,4 +42,6 @@ class BasePolicy:
         raise NotImplementedError
 
     def select_victim(self, candidates: Sequence[Request]) -> Request:
-        return max(candidates, key=lambda r: r.sort_key)
+        # Among equal keys the last one (candidates are in running order): a request never
+        # preempts itself while an equal one behind it keeps running.
+        return max(reversed(candidates), key=lambda r: r.sort_key)
