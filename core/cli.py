@@ -1,4 +1,4 @@
-"""The ``paged`` command: run, plugins, config.
+"""The ``paged`` command: run, serve, bench, plugins, config.
 
 Engine settings are flags generated from the typed config (``paged config --help`` lists them);
 ``--config FILE`` and ``PAGED_*`` variables set the same fields with lower precedence.
@@ -261,6 +261,28 @@ def _round(v: float | None) -> float | None:
     return None if v is None else round(v, 4)
 
 
+# --- paged serve ----------------------------------------------------------------------------
+def cmd_serve(args: argparse.Namespace) -> int:
+    from paged.core.config import resolve_plugins
+    from paged.core.server import run_server
+
+    config = engine_config_from_args(args)
+    resolve_plugins(config, device=_device_for_check(config))  # bad plugin names fail before anything starts
+    return run_server(config, access_log=args.access_log, log_level="warning" if args.quiet else "info")
+
+
+# --- paged bench -----------------------------------------------------------------------------
+def cmd_bench(args: argparse.Namespace) -> int:
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / f"{args.bench}.py"
+    if not script.is_file():
+        raise PagedError(f"paged bench {args.bench}: {script} not found (benchmarks ship with a source checkout)")
+    module = runpy.run_path(str(script), run_name="paged_bench")
+    return module["main"](args.bench_args) or 0
+
+
 # --- entry point -----------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
@@ -276,6 +298,17 @@ def build_parser() -> argparse.ArgumentParser:
     plugins = sub.add_parser("plugins", parents=[common], help="list discovered plugins and what they provide")
     plugins.add_argument("--json", action="store_true")
     plugins.set_defaults(func=cmd_plugins)
+
+    serve = sub.add_parser("serve", parents=[common],
+                           help="run the OpenAI-compatible HTTP server (engine core in its own process)")
+    serve.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    add_engine_flags(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    bench = sub.add_parser("bench", parents=[common], help="benchmarks (paged bench serve --help)")
+    bench.add_argument("bench", choices=["serve"], help="serve: load-test a running server")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
+    bench.set_defaults(func=cmd_bench)
 
     config = sub.add_parser("config", parents=[common], help="print the effective configuration")
     config.add_argument("--json", action="store_true")

@@ -1,0 +1,91 @@
+"""Shared pieces of the benchmarks: seeded workloads, the machine's measured limits, subprocess
+phases with their own peak memory, and result printing."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def random_workload(num_prompts: int, seed: int, prompt_range=(32, 512), output_range=(16, 256), vocab=(1000, 20000)):
+    """Prompts of random token ids (so every method sees exactly the same ids) with varied
+    prompt and output lengths."""
+    rng = np.random.default_rng(seed)
+    prompt_lens = rng.integers(prompt_range[0], prompt_range[1] + 1, num_prompts)
+    output_lens = rng.integers(output_range[0], output_range[1] + 1, num_prompts)
+    prompts = [rng.integers(vocab[0], vocab[1], n).tolist() for n in prompt_lens]
+    return prompts, output_lens.tolist()
+
+
+def measure_matmul_peak(dtype_name: str, size: int = 2048, repeats: int = 5) -> float:
+    """Best FLOP/s of a square matmul with torch on this machine (all threads)."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    a = torch.randn(size, size, dtype=dtype)
+    b = torch.randn(size, size, dtype=dtype)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t)
+    return 2 * size**3 / best
+
+
+def measure_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """Best bytes/s of a large tensor copy (bytes read + bytes written)."""
+    import torch
+
+    n = megabytes * 2**20 // 4
+    src = torch.empty(n, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n * 4 / best
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_phase(script: str, args: list[str], timeout: float = 3600) -> dict:
+    """Run one measurement in a fresh process (its own peak memory); it prints one JSON line last."""
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, env=env, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"phase {args} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def model_flops_per_token(hf_config) -> float:
+    """2 x parameters touched per token (embedding lookup excluded; the LM head counted)."""
+    h = hf_config.hidden_size
+    layers = hf_config.num_hidden_layers
+    heads = hf_config.num_attention_heads
+    kv = getattr(hf_config, "num_key_value_heads", heads)
+    head_dim = getattr(hf_config, "head_dim", None) or h // heads
+    inter = hf_config.intermediate_size
+    per_layer = h * head_dim * (heads + 2 * kv) + heads * head_dim * h + 3 * h * inter
+    return 2 * (layers * per_layer + h * hf_config.vocab_size)
+
+
+def weight_bytes(hf_config, itemsize: int) -> float:
+    return model_flops_per_token(hf_config) / 2 * itemsize
+
+
+def fmt(x: float | None, digits: int = 1) -> str:
+    return "n/a" if x is None else f"{x:,.{digits}f}"

@@ -1,0 +1,66 @@
+"""Batch-1 decode latency against the memory-bandwidth bound.
+
+One request decodes --output-tokens tokens; the decode time per token (first token excluded)
+is compared with the bound ``weight bytes / measured copy bandwidth`` (a decode step must read
+every weight once; the KV cache read is added too, small at this context).
+
+    python benchmarks/latency.py --dtype float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _bench  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+
+    from paged import LLM, SamplingParams
+
+    llm = LLM(args.model, device="cpu", dtype=args.dtype, attention="torch", max_num_seqs=1)
+    hf_config = llm.engine.core.runner.hf_config
+    itemsize = 4 if args.dtype == "float32" else 2
+    prompt = np.random.default_rng(0).integers(1000, 20000, args.prompt_tokens).tolist()
+    params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
+    llm.generate([prompt[:8]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
+    per_token = []
+    for _ in range(args.repeats):
+        llm.engine.kv_cache_manager.reset_prefix_cache()
+        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        m = out.metrics
+        per_token.append(m.decode_time / (len(out.token_ids) - 1))
+    best = min(per_token)
+    bandwidth = _bench.measure_bandwidth()
+    weights = _bench.weight_bytes(hf_config, itemsize)
+    kv = 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * (hf_config.hidden_size // hf_config.num_attention_heads) \
+        * itemsize * (args.prompt_tokens + args.output_tokens / 2)
+    bound = (weights + kv) / bandwidth
+    result = {"dtype": args.dtype, "decode_ms_per_token": best * 1e3, "median_ms_per_token": float(np.median(per_token)) * 1e3,
+              "bandwidth_gbs": bandwidth / 1e9, "weight_mb": weights / 1e6, "bound_ms_per_token": bound * 1e3,
+              "ratio_to_bound": best / bound}
+    print(f"batch-1 decode ({args.dtype}): {best * 1e3:.1f} ms/token (best of {args.repeats}; median "
+          f"{result['median_ms_per_token']:.1f}); bound {bound * 1e3:.1f} ms/token = ({weights / 1e6:.0f} MB weights + "
+          f"{kv / 1e6:.1f} MB KV) / {bandwidth / 1e9:.1f} GB/s measured copy bandwidth -> {best / bound:.2f}x the bound")
+    _bench.RESULTS.mkdir(exist_ok=True)
+    (_bench.RESULTS / f"latency-{args.dtype}.json").write_text(json.dumps(result, indent=2))
+    if args.json:
+        print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
