@@ -116,6 +116,8 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of text")
     parser.add_argument("--priority", type=int, default=0, help="priority of every prompt (lower runs first)")
+    parser.add_argument("--record-trace", metavar="PATH", help="write what was served as a lab trace (JSONL; "
+                        "see `paged lab replay`)")
     sampling = parser.add_argument_group("sampling (defaults: greedy, 128 tokens)")
     for flag, (field, typ) in SAMPLING_FLAGS.items():
         sampling.add_argument(f"--{flag}", dest=f"sp:{field}", type=typ, default=argparse.SUPPRESS)
@@ -163,7 +165,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     defaults.update({k[3:]: v for k, v in vars(args).items() if k.startswith("sp:")})
     engine = LLMEngine(config)
 
-    ids, prompts = [], []
+    ids, prompts, served = [], [], []  # served: (params, priority) per request, for --record-trace
     for item in items:
         item = dict(item)
         priority = item.pop("priority", args.priority)
@@ -178,6 +180,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         params = SamplingParams.from_dict({**defaults, **item})
         ids.append(engine.add_request(None, prompt, params, priority=priority, add_special_tokens=special))
         prompts.append(prompt)
+        served.append((params, priority))
 
     import time
 
@@ -189,6 +192,10 @@ def cmd_run(args: argparse.Namespace) -> int:
                 final[output.request_id] = output
     elapsed = time.perf_counter() - start
     outputs = [final[i] for i in ids]
+    if args.record_trace:
+        from paged.core.lab.trace import trace_from_outputs, write_trace
+
+        write_trace(args.record_trace, trace_from_outputs(outputs, *zip(*served), prompts))
     summary = run_summary(engine, outputs, elapsed)
 
     if args.json:
@@ -314,6 +321,10 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("--json", action="store_true")
     add_engine_flags(config)
     config.set_defaults(func=cmd_config)
+
+    from paged.core.lab.cli import add_lab_parser  # paged lab: gen, replay, calibrate, validate, policies
+
+    add_lab_parser(sub, common)
     return parser
 
 

@@ -16,6 +16,7 @@ from paged.core.errors import InvalidRequestError
 from paged.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from paged.core.request import Request
 from paged.core.sampling_params import SamplingParams
+from paged.core.scheduler import check_request_fits
 
 
 @dataclass
@@ -76,19 +77,13 @@ class InputProcessor:
                 raise InvalidRequestError(
                     f"prompt_token_ids: {bad[:5]} out of range; token ids must be in [0, {self.info.vocab_size})"
                 )
-        if not token_ids:
-            raise InvalidRequestError("prompt: must not be empty")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority: invalid value {priority!r}; must be an integer")
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = max(self.info.max_model_len - len(token_ids), 1)
-        total = len(token_ids) + max_tokens
-        if total > self.info.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
-                f"max_model_len ({self.info.max_model_len}); shorten the prompt or lower max_tokens"
-            )
+        info = self.info
+        check_request_fits(len(token_ids), max_tokens, info.max_model_len, info.num_blocks, info.block_size)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         eos = self.info.eos_token_ids[0] if self.info.eos_token_ids else None
         extra_stop = [] if params.ignore_eos else [t for t in self.info.eos_token_ids[1:] if t not in params.stop_token_ids]

@@ -161,21 +161,7 @@ class Scheduler:
     # --- requests in and out -----------------------------------------------------------
     def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Reject what could never run. Raises InvalidRequestError naming the limit."""
-        if num_prompt_tokens < 1:
-            raise InvalidRequestError("prompt: must have at least one token")
-        total = num_prompt_tokens + max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
-                f"max_model_len ({self.max_model_len}); shorten the prompt or lower max_tokens"
-            )
-        capacity = self.kv.num_blocks * self.block_size
-        if cdiv(total, self.block_size) > self.kv.num_blocks:
-            raise InvalidRequestError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} can never fit in "
-                f"the KV cache ({self.kv.num_blocks} blocks x {self.block_size} = {capacity} tokens); "
-                f"raise cache.kv_cache_memory_gib or lower max_tokens"
-            )
+        check_request_fits(num_prompt_tokens, max_tokens, self.max_model_len, self.kv.num_blocks, self.block_size)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -372,6 +358,27 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             step_preemptions=self.step_preemptions,
             step_scheduled_tokens=self.step_scheduled_tokens,
+        )
+
+
+def check_request_fits(
+    num_prompt_tokens: int, max_tokens: int, max_model_len: int, num_blocks: int, block_size: int
+) -> None:
+    """A request must fit max_model_len and, alone, the whole KV cache (front-ends call this
+    too, to reject early)."""
+    if num_prompt_tokens < 1:
+        raise InvalidRequestError("prompt: must have at least one token")
+    total = num_prompt_tokens + max_tokens
+    if total > max_model_len:
+        raise InvalidRequestError(
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
+            f"max_model_len ({max_model_len}); shorten the prompt or lower max_tokens"
+        )
+    if cdiv(total, block_size) > num_blocks:
+        raise InvalidRequestError(
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} can never fit in "
+            f"the KV cache ({num_blocks} blocks x {block_size} = {num_blocks * block_size} tokens); "
+            f"raise cache.kv_cache_memory_gib or lower max_tokens"
         )
 
 

@@ -449,7 +449,11 @@ class ServerState:
 def default_served_model_name(config: EngineConfig, model_dir: str) -> str:
     if config.server.served_model_name:
         return config.server.served_model_name
-    path = Path(config.model.model or model_dir)
+    if config.model.model is None:  # the embedded default: its name, not its cache directory's
+        from paged.models.gguf import DEFAULT_GGUF
+
+        return DEFAULT_GGUF.split(".")[0]
+    path = Path(config.model.model)
     return path.stem if path.suffix == ".gguf" else path.name
 
 

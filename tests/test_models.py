@@ -304,7 +304,7 @@ def test_attention_shape_and_dtype(hf_models):
 def test_plugin_registers_both_architectures():
     import paged.plugins.models as plugin
 
-    registry = load_plugins(entry_points=[], modules=[("llama_qwen2", plugin)], allow=None, deny=set())
+    registry = load_plugins(entry_points=[], modules=[("models", plugin)], allow=None, deny=set())
     assert registry.model("LlamaForCausalLM").factory is LlamaForCausalLM
     assert registry.model("Qwen2ForCausalLM").factory is Qwen2ForCausalLM
     with pytest.raises(ConfigError, match="LlamaForCausalLM"):

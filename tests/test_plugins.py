@@ -46,9 +46,9 @@ def register_policies():
 def test_bundled_plugins_register_through_the_entry_point_group():
     registry = get_registry()
     by_name = {p.name: p for p in registry.plugins}
-    assert by_name["fcfs_priority"].distribution == "paged"
-    assert by_name["fcfs_priority"].version
-    assert by_name["fcfs_priority"].provides["policies"] == ["fcfs", "priority"]
+    assert by_name["policies"].distribution == "paged"
+    assert by_name["policies"].version
+    assert by_name["policies"].provides["policies"] == ["fcfs", "priority"]
     assert "torch" in registry.attention_backends
     assert {"LlamaForCausalLM", "Qwen2ForCausalLM"} <= set(registry.models)
     assert all(p.status == "ok" for p in registry.plugins), [p.to_dict() for p in registry.plugins]
@@ -93,22 +93,22 @@ def test_two_plugins_with_the_same_name_is_an_error_naming_both(tmp_path, monkey
 
 def test_allow_and_deny_lists(tmp_path, monkeypatch):
     _module_dir(tmp_path, monkeypatch, {"good_plugin": GOOD})
-    eps = _eps(("good", "good_plugin"), ("fcfs_priority", "paged.plugins.policies"))
-    registry = load_plugins(eps, allow={"fcfs_priority"}, deny=set())
+    eps = _eps(("good", "good_plugin"), ("policies", "paged.plugins.policies"))
+    registry = load_plugins(eps, allow={"policies"}, deny=set())
     assert set(registry.policies) == {"fcfs", "priority"}
     assert {p.name: p.status for p in registry.plugins}["good"] == "disabled"
-    registry = load_plugins(eps, allow=None, deny={"fcfs_priority"})
+    registry = load_plugins(eps, allow=None, deny={"policies"})
     assert set(registry.policies) == {"lifo"}
 
 
 def test_env_vars_restrict_the_process_registry(monkeypatch):
-    monkeypatch.setenv("PAGED_DISABLE_PLUGINS", "fcfs_priority")
+    monkeypatch.setenv("PAGED_DISABLE_PLUGINS", "policies")
     try:
         registry = get_registry()
         assert "fcfs" not in registry.policies and "torch" in registry.attention_backends
         with pytest.raises(ConfigError, match="scheduler.policy: unknown value 'fcfs'"):
             resolve_plugins(load_config(), registry)
-        monkeypatch.setenv("PAGED_PLUGINS", "torch_attention")
+        monkeypatch.setenv("PAGED_PLUGINS", "attention")
         monkeypatch.delenv("PAGED_DISABLE_PLUGINS")
         assert set(get_registry().policies) == set()
     finally:
@@ -147,11 +147,11 @@ def _paged(args, env_extra=None, **kw):
 def test_paged_plugins_lists_text_and_json():
     text = _paged(["plugins"])
     assert text.returncode == 0, text.stderr
-    assert "fcfs_priority  [ok]  (paged 0.1.0)" in text.stdout and "policies: fcfs, priority" in text.stdout
+    assert "policies  [ok]  (paged 0.1.0)" in text.stdout and "policies: fcfs, priority" in text.stdout
     data = json.loads(_paged(["plugins", "--json"]).stdout)
     names = {p["name"]: p for p in data["plugins"]}
-    assert names["torch_attention"]["provides"] == {"attention_backends": names["torch_attention"]["provides"]["attention_backends"]}
-    assert names["llama_qwen2"]["provides"]["models"] == ["LlamaForCausalLM", "Qwen2ForCausalLM"]
+    assert names["attention"]["provides"] == {"attention_backends": ["torch", "triton", "flashinfer"]}
+    assert names["models"]["provides"]["models"] == ["LlamaForCausalLM", "Qwen2ForCausalLM"]
 
 
 @pytest.fixture(scope="module")
