@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from paged.core.attention import AttentionLayout, BatchInputs, default_allocate_kv_cache
+from paged.core.attention import AttentionLayout, BatchInputs, default_allocate_kv_cache, write_kv_by_slot
 
 INSTALL_HINT = "flashinfer-python is not installed: pip install 'paged[flashinfer]'"
 
@@ -213,9 +213,7 @@ class FlashInferAttentionBackend:
         metadata: FlashInferMetadata,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
-        _, _, num_kv_heads, head_dim = k_cache.shape
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, key.to(k_cache.dtype))
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, value.to(v_cache.dtype))
+        write_kv_by_slot(key, value, kv_cache, metadata.slot_mapping)
         q = query.to(k_cache.dtype)
         out = torch.empty(q.shape, dtype=k_cache.dtype, device=q.device)
         nd = metadata.num_decode_tokens

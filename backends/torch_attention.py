@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from paged.core.attention import AttentionLayout, BatchInputs, default_allocate_kv_cache
+from paged.core.attention import AttentionLayout, BatchInputs, default_allocate_kv_cache, write_kv_by_slot
 from paged.core.kv_cache_manager import cdiv
 
 
@@ -146,11 +146,7 @@ class TorchAttentionBackend:
         metadata: TorchAttentionMetadata,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
-        _, _, num_kv_heads, head_dim = k_cache.shape
-        k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # view: fails loudly on a non-contiguous cache
-        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        k_flat.index_copy_(0, metadata.slot_mapping, key.to(k_cache.dtype))
-        v_flat.index_copy_(0, metadata.slot_mapping, value.to(v_cache.dtype))
+        k_flat, v_flat = write_kv_by_slot(key, value, kv_cache, metadata.slot_mapping)
 
         q = query.to(k_cache.dtype)
         out = torch.empty(query.shape, dtype=k_cache.dtype, device=query.device)

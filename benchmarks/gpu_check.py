@@ -547,7 +547,6 @@ def decode_rate(model, backend, layout, batch_size, context, warmup, steps, devi
             seq_len += 1
         sync(device)
         secs = (time.perf_counter() - t0) / steps
-    del caches
     return batch_size / secs, secs, context + warmup + steps / 2
 
 

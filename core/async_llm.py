@@ -117,6 +117,7 @@ class AsyncLLM:
         self._dead: str | None = None
         self._shutting_down = False
         self.last_stats: dict[str, Any] | None = None
+        self.trace_recorder = None  # paged.core.lab.trace.TraceRecorder with `paged serve --record-trace`
 
     @classmethod
     def from_config(cls, config: EngineConfig, observer: StatsObserver | None = None,
@@ -198,6 +199,8 @@ class AsyncLLM:
             self.abort(request_id)
             raise
         self.observer.prompt_tokens(len(parent.prompt_token_ids) * len(requests))
+        if self.trace_recorder is not None:
+            self.trace_recorder.add(request_id, params or SamplingParams(), priority, parent.prompt)
         return stream
 
     async def generate(
@@ -223,6 +226,8 @@ class AsyncLLM:
         if stream is not None and not stream.finished:
             stream._put(None)  # ends a consumer's iteration
         self._finished_children.pop(request_id, None)
+        if self.trace_recorder is not None:
+            self.trace_recorder.discard(request_id)
         child_ids = self.output_processor.remove(request_id)
         for child_id in child_ids:
             self._child_parent.pop(child_id, None)
@@ -319,6 +324,8 @@ class AsyncLLM:
             if output.finished:
                 self.streams.pop(output.request_id, None)
                 self._finished_children.pop(output.request_id, None)
+                if self.trace_recorder is not None:
+                    self.trace_recorder.finish(output)
             if stream is not None:
                 stream._put(output)
         for out in core_outputs:

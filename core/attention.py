@@ -100,3 +100,18 @@ def default_allocate_kv_cache(layout: AttentionLayout, num_blocks: int) -> list[
         )
         for _ in range(layout.num_layers)
     ]
+
+
+def write_kv_by_slot(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write each new token's K/V at its slot; returns the caches viewed as
+    ``[num_blocks * block_size, num_kv_heads, head_dim]`` (``view``: a non-contiguous cache fails
+    loudly instead of being copied)."""
+    k_cache, v_cache = kv_cache
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    k_flat.index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_flat.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    return k_flat, v_flat

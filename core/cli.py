@@ -275,7 +275,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = engine_config_from_args(args)
     resolve_plugins(config, device=_device_for_check(config))  # bad plugin names fail before anything starts
-    return run_server(config, access_log=args.access_log, log_level="warning" if args.quiet else "info")
+    return run_server(config, access_log=args.access_log, log_level="warning" if args.quiet else "info",
+                      record_trace=args.record_trace)
 
 
 # --- paged bench -----------------------------------------------------------------------------
@@ -309,6 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", parents=[common],
                            help="run the OpenAI-compatible HTTP server (engine core in its own process)")
     serve.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    serve.add_argument("--record-trace", metavar="PATH",
+                       help="append every finished request to a lab trace (JSONL) for `paged lab replay`")
     add_engine_flags(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -457,7 +457,7 @@ def default_served_model_name(config: EngineConfig, model_dir: str) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
-def build_app(config: EngineConfig, start_timeout: float = 600.0) -> FastAPI:
+def build_app(config: EngineConfig, start_timeout: float = 600.0, record_trace: str | None = None) -> FastAPI:
     state = ServerState(config)
 
     async def start_engine() -> None:
@@ -471,6 +471,11 @@ def build_app(config: EngineConfig, start_timeout: float = 600.0) -> FastAPI:
                 state.uvicorn_server.should_exit = True
             return
         state.served_model_name = default_served_model_name(config, llm.model_info.model_dir)
+        if record_trace:
+            from paged.core.lab.trace import TraceRecorder
+
+            llm.trace_recorder = TraceRecorder(record_trace, "paged serve")
+            logger.info("recording the served requests as a lab trace in %s", record_trace)
         state.tokens = _Tokens(llm.tokenizer)
         state.llm = llm
         logger.info("serving model %r", state.served_model_name)
@@ -890,7 +895,7 @@ def _uvicorn_server_class():
 
 
 def run_server(config: EngineConfig, *, access_log: bool = False, log_level: str = "info",
-               start_timeout: float = 600.0) -> int:
+               start_timeout: float = 600.0, record_trace: str | None = None) -> int:
     """Bind ``server.host:server.port`` (before the model loads, so a taken port fails at once),
     start the engine in the background and serve until SIGINT/SIGTERM. Returns an exit code."""
     import socket
@@ -909,7 +914,7 @@ def run_server(config: EngineConfig, *, access_log: bool = False, log_level: str
     sock.listen(2048)
     sock.set_inheritable(True)
     port = sock.getsockname()[1]
-    app = build_app(config, start_timeout=start_timeout)
+    app = build_app(config, start_timeout=start_timeout, record_trace=record_trace)
     uv_config = uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="on",
                                timeout_graceful_shutdown=10)
     server = _uvicorn_server_class()(uv_config)

@@ -9,7 +9,6 @@ only if the q/k de-permutation and the tensor renaming are right.
 from __future__ import annotations
 
 import importlib.util
-import os
 import time
 
 import numpy as np

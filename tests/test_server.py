@@ -131,11 +131,14 @@ def serve(args: list[str], tmp: Path, port: int):
 @pytest.fixture(scope="module")
 def server(default_model_dir, tmp_path_factory):
     port = _free_port()
+    tmp = tmp_path_factory.mktemp("server")
     args = ["--model", default_model_dir, "--device", "cpu", "--attention", "torch", "--host", "127.0.0.1",
             "--port", str(port), "--api-key", API_KEY, "--num-kv-blocks", str(NUM_BLOCKS),
-            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "64", "-q"]
-    with serve(args, tmp_path_factory.mktemp("server"), port) as s:
+            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "64", "-q",
+            "--record-trace", str(tmp / "served.jsonl")]
+    with serve(args, tmp, port) as s:
         s.core_pid = s.debug()["core_pid"]
+        s.trace_path = tmp / "served.jsonl"
         yield s
         # Clean shutdown on SIGTERM: the server exits 0 and takes its core with it.
         s.proc.send_signal(signal.SIGTERM)
@@ -478,3 +481,16 @@ def test_dead_core_fails_fast_and_health_503(default_model_dir, tmp_path):
         assert s.metrics()["paged:engine_core_alive"] == 0
         s.proc.send_signal(signal.SIGTERM)
         assert s.proc.wait(60) == 0, s.log_tail()
+
+
+def test_served_requests_are_recorded_as_a_lab_trace(server, client, model_name):
+    from paged.core.lab.trace import read_trace
+
+    prompt = "Record this request"
+    out = client.completions.create(model=model_name, prompt=prompt, max_tokens=3, temperature=0, seed=5)
+    assert out.choices[0].finish_reason in ("length", "stop")
+    recorded = [r for r in read_trace(server.trace_path).requests if r.prompt == prompt]
+    assert recorded, "the finished request is in the trace"
+    request = recorded[-1]
+    assert request.prompt_token_ids and request.output_len == out.usage.completion_tokens
+    assert request.arrival_s >= 0 and request.sampling.get("seed") == 5

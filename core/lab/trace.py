@@ -321,34 +321,69 @@ def _spec_dict(spec: GeneratorSpec) -> dict[str, Any]:
 
 
 # --- recording what the engine served --------------------------------------------------------------
-def trace_from_outputs(outputs: Iterable[Any], params: Iterable[Any], priorities: Iterable[int],
-                       prompts: Iterable[str | None] = (), source: str = "paged run") -> Trace:  # fmt: skip
-    """A trace of finished ``RequestOutput``s: arrival times relative to the first arrival, the
-    exact prompt token ids (the text too, for reading), the generated length as ``output_len``,
-    the non-default sampling fields."""
+def _sampling_fields(params: Any) -> dict[str, Any]:
     from dataclasses import fields
 
     from paged.core.sampling_params import SamplingParams
 
+    defaults = SamplingParams()
+    return {f.name: getattr(params, f.name) for f in fields(params) if getattr(params, f.name) != getattr(defaults, f.name)}
+
+
+def _arrival_time(output: Any) -> float:
+    metrics = output.metrics or (output.outputs[0].metrics if output.outputs else None)
+    return metrics.arrival_time if metrics is not None else 0.0
+
+
+def _trace_request(output: Any, params: Any, priority: int, text: str | None, t0: float) -> TraceRequest:
+    """One finished ``RequestOutput`` as a trace line: arrival relative to ``t0``, the exact
+    prompt token ids (the text too, for reading), the generated length as ``output_len``, the
+    non-default sampling fields."""
+    return TraceRequest(
+        arrival_s=round(max(_arrival_time(output) - t0, 0.0), 6), id=str(output.request_id),
+        prompt=text if isinstance(text, str) and text else None,
+        prompt_token_ids=list(output.prompt_token_ids),
+        output_len=max((len(c.token_ids) for c in output.outputs), default=0) or None,
+        sampling=_sampling_fields(params), priority=int(priority),
+    )  # fmt: skip
+
+
+def trace_from_outputs(outputs: Iterable[Any], params: Iterable[Any], priorities: Iterable[int],
+                       prompts: Iterable[str | None] = (), source: str = "paged run") -> Trace:  # fmt: skip
+    """A trace of finished ``RequestOutput``s, arrival times relative to the first arrival."""
     outputs, params, priorities = list(outputs), list(params), list(priorities)
     prompts = list(prompts) or [None] * len(outputs)
-    defaults = SamplingParams()
-
-    def arrival(o) -> float:
-        metrics = o.metrics or (o.outputs[0].metrics if o.outputs else None)
-        return metrics.arrival_time if metrics is not None else 0.0
-
-    t0 = min((arrival(o) for o in outputs), default=0.0)
-    requests = []
-    for o, p, priority, text in zip(outputs, params, priorities, prompts):
-        sampling = {f.name: getattr(p, f.name) for f in fields(p) if getattr(p, f.name) != getattr(defaults, f.name)}
-        requests.append(
-            TraceRequest(
-                arrival_s=round(max(arrival(o) - t0, 0.0), 6), id=str(o.request_id),
-                prompt=text if isinstance(text, str) and text else None,
-                prompt_token_ids=list(o.prompt_token_ids),
-                output_len=max((len(c.token_ids) for c in o.outputs), default=0) or None,
-                sampling=sampling, priority=int(priority),
-            )
-        )  # fmt: skip
+    t0 = min((_arrival_time(o) for o in outputs), default=0.0)
+    requests = [_trace_request(o, p, prio, text, t0) for o, p, prio, text in zip(outputs, params, priorities, prompts)]
     return Trace(requests, {"source": source})
+
+
+class TraceRecorder:
+    """Appends each request to a trace file as it finishes (for a server that runs for days):
+    arrival times are relative to the recorder's start; aborted requests are not recorded."""
+
+    def __init__(self, path: str | Path, source: str = "paged serve") -> None:
+        import time
+
+        self.t0 = time.monotonic()
+        self._pending: dict[str, tuple[Any, int, str | None]] = {}
+        self._file = open(path, "w", encoding="utf-8")
+        self._file.write(json.dumps({"paged_trace": TRACE_VERSION, "source": source}) + "\n")
+        self._file.flush()
+
+    def add(self, request_id: str, params: Any, priority: int, prompt: str | None) -> None:
+        self._pending[request_id] = (params, priority, prompt)
+
+    def discard(self, request_id: str) -> None:
+        self._pending.pop(request_id, None)
+
+    def finish(self, output: Any) -> None:
+        entry = self._pending.pop(output.request_id, None)
+        if entry is None:
+            return
+        request = _trace_request(output, *entry, self.t0)
+        self._file.write(json.dumps(request.to_dict(), ensure_ascii=False) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
