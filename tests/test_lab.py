@@ -258,10 +258,10 @@ def test_simulation_is_close_to_the_real_replay(tiny_model):
         cost, calibration = calibrate(config, clock="cpu", scale=2)
         assert cost.fit["num_steps"] > 150 and cost.coef[0] > 0
         out = validate(cost, config, clock="cpu")
-        errors.append({**out["rel_errors"], "fit_total_time": cost.fit["total_time_rel_error"]})
+        assert abs(cost.fit["total_time_rel_error"]) < 1e-6  # the fit is rescaled to the measured total
+        errors.append({**out["rel_errors"], "fit_total_time_unscaled": cost.fit["unscaled_total_time_rel_error"]})
         assert out["real"]["steps"] > 50 and out["num_requests"] >= 16
-        if (abs(out["rel_errors"]["e2e_mean"]) < 0.35 and abs(out["rel_errors"]["tpot_mean"]) < 0.35
-                and abs(cost.fit["total_time_rel_error"]) < 0.15):  # fmt: skip
+        if abs(out["rel_errors"]["e2e_mean"]) < 0.35 and abs(out["rel_errors"]["tpot_mean"]) < 0.35:
             break
     else:
         pytest.fail(f"simulation vs real, relative errors of the means: {errors}")

@@ -251,7 +251,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     model.save(args.out)
     fit = model.fit
     print(f"wrote {args.out}: {fit['num_steps']} steps, R^2 {fit['r2']}, mean |relative error| per step "
-          f"{100 * fit['mean_abs_rel_error']:.1f}%, total time error {100 * fit['total_time_rel_error']:+.1f}%")  # fmt: skip
+          f"{100 * fit['mean_abs_rel_error']:.1f}%, total time error before rescaling {100 * fit['unscaled_total_time_rel_error']:+.1f}%")  # fmt: skip
     print("coefficients: " + ", ".join(f"{k} {v:.3g}" for k, v in model.to_dict()["coef"].items()))
     if model.validation:
         errors = model.validation["rel_errors"]
