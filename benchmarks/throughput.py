@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--attention", default="torch")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--sweep", action="store_true", help="also throughput vs concurrent sequences + PNG")
+    parser.add_argument("--sweep-only", action="store_true", help="only the concurrency sweep")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--phase", choices=list(PHASES), help=argparse.SUPPRESS)
     parser.add_argument("--limit", type=int, help=argparse.SUPPRESS)
@@ -148,6 +149,10 @@ def main(argv: list[str] | None = None) -> None:
     script = str(HERE)
     print(f"model {args.model_dir}\ndtype {args.dtype}, {args.num_prompts} prompts of {args.prompt_range} tokens, "
           f"outputs {args.output_range} tokens (ignore_eos), seed {args.seed}", flush=True)
+
+    if args.sweep_only:
+        sweep(args, script)
+        return
 
     peak_flops = _bench.measure_matmul_peak(args.dtype)
     bandwidth = _bench.measure_bandwidth()
