@@ -14,8 +14,10 @@ import pytest
 import torch
 
 from paged.backends.torch_attention import TorchAttentionBackend
-from paged.core.attention import AttentionBackend, AttentionLayout, BatchInputs
+from paged.core.attention import AttentionBackend, AttentionLayout
 from paged.core.kv_cache_manager import cdiv
+
+from batch_helpers import make_batch
 
 TOLERANCE = {  # (atol, rtol) against float64 on inputs already rounded to the dtype
     torch.float32: (2e-5, 1e-5),
@@ -33,41 +35,6 @@ DEVICES = [
 
 def make_layout(num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float32, device="cpu", layers=1):
     return AttentionLayout(layers, num_heads, num_kv_heads, head_dim, block_size, dtype, torch.device(device))
-
-
-def make_batch(block_tables, computed_lens, query_lens, block_size, device="cpu", num_decodes=None, pad_cols=2):
-    """BatchInputs for requests that have ``computed_lens[i]`` tokens cached and schedule
-    ``query_lens[i]`` new ones; ``block_tables[i]`` lists the request's block ids. Decodes
-    (the leading requests with one new token after a cached context) come first."""
-    num_reqs = len(block_tables)
-    seq_lens = [c + q for c, q in zip(computed_lens, query_lens)]
-    if num_decodes is None:
-        num_decodes = 0
-        while num_decodes < num_reqs and query_lens[num_decodes] == 1 and computed_lens[num_decodes] > 0:
-            num_decodes += 1
-    query_start_loc = [0]
-    for q in query_lens:
-        query_start_loc.append(query_start_loc[-1] + q)
-    table = torch.zeros(num_reqs, max(len(b) for b in block_tables) + pad_cols, dtype=torch.int32)
-    slots = []
-    for i, blocks in enumerate(block_tables):
-        table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(computed_lens[i], seq_lens[i])]
-    qsl = torch.tensor(query_start_loc, dtype=torch.int32)
-    sl = torch.tensor(seq_lens, dtype=torch.int32)
-    return BatchInputs(
-        num_reqs=num_reqs,
-        num_tokens=query_start_loc[-1],
-        num_decodes=num_decodes,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_start_loc=qsl.to(device),
-        seq_lens=sl.to(device),
-        block_table=table.to(device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=sl,
-    )
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -40,8 +40,10 @@ from paged.backends.triton_attention import (  # noqa: E402
     is_available,
     tile_map,
 )
-from paged.core.attention import AttentionLayout, BatchInputs  # noqa: E402
+from paged.core.attention import AttentionLayout  # noqa: E402
 from paged.core.kv_cache_manager import cdiv  # noqa: E402
+
+from batch_helpers import make_batch  # noqa: E402
 
 TOLERANCE = {  # (atol, rtol) between the two backends, both in the cache dtype
     torch.float32: (1e-5, 1e-5),
@@ -61,32 +63,6 @@ def _interpreter(monkeypatch):
 
 def make_layout(num_heads=2, num_kv_heads=1, head_dim=64, block_size=4, dtype=torch.float32, layers=1):
     return AttentionLayout(layers, num_heads, num_kv_heads, head_dim, block_size, dtype, torch.device("cpu"))
-
-
-def make_batch(block_tables, computed_lens, query_lens, block_size, pad_cols=2) -> BatchInputs:
-    """Requests with ``computed_lens[i]`` tokens cached scheduling ``query_lens[i]`` new ones;
-    decodes (query length 1 after a cached context) must come first."""
-    num_reqs = len(block_tables)
-    seq_lens = [c + q for c, q in zip(computed_lens, query_lens)]
-    num_decodes = 0
-    while num_decodes < num_reqs and query_lens[num_decodes] == 1 and computed_lens[num_decodes] > 0:
-        num_decodes += 1
-    qsl = [0]
-    for q in query_lens:
-        qsl.append(qsl[-1] + q)
-    table = torch.zeros(num_reqs, max(len(b) for b in block_tables) + pad_cols, dtype=torch.int32)
-    slots = []
-    for i, blocks in enumerate(block_tables):
-        table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(computed_lens[i], seq_lens[i])]
-    qsl_t = torch.tensor(qsl, dtype=torch.int32)
-    seq_t = torch.tensor(seq_lens, dtype=torch.int32)
-    return BatchInputs(
-        num_reqs=num_reqs, num_tokens=qsl[-1], num_decodes=num_decodes, max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens), query_start_loc=qsl_t, seq_lens=seq_t, block_table=table,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64), query_start_loc_cpu=qsl_t.clone(),
-        seq_lens_cpu=seq_t.clone(),
-    )  # fmt: skip
 
 
 def compare(requests, *, options=SMALL, layers=1, seed=0, query_dtype=None, block_tables=None, **layout_kw):
