@@ -84,10 +84,16 @@ class KVCacheManager:
             blocks.append(block)
         num_tokens = len(blocks) * self.block_size
         if record_stats:
-            self.prefix_cache_stats.requests += 1
-            self.prefix_cache_stats.queries += request.num_tokens
-            self.prefix_cache_stats.hits += num_tokens
+            self.record_prefix_lookup(request.num_tokens, num_tokens)
         return blocks, num_tokens
+
+    def record_prefix_lookup(self, num_tokens: int, num_cached: int) -> None:
+        """Count one admission's lookup: ``num_tokens`` queried, ``num_cached`` found."""
+        if self.enable_caching:
+            stats = self.prefix_cache_stats
+            stats.requests += 1
+            stats.queries += num_tokens
+            stats.hits += num_cached
 
     def num_blocks_to_allocate(
         self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] = ()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
-from paged.core.config import EngineConfig, config_flags, load_config
+from paged.core.config import EngineConfig, Flag, config_flags, load_config
 from paged.core.engine import LLMEngine
 from paged.core.errors import ConfigError
 from paged.core.outputs import RequestOutput
@@ -20,8 +20,8 @@ def settings_to_overrides(settings: dict[str, Any]) -> dict[str, Any]:
     for flag in config_flags():
         for name in {flag.field, flag.name.replace("-", "_")}:
             by_name[name] = flag
-    by_name["policy_options"] = type("F", (), {"section": "scheduler", "field": "policy_options"})
-    by_name["attention_options"] = type("F", (), {"section": "attention", "field": "options"})
+    by_name["policy_options"] = Flag("policy-options", "scheduler", "policy_options", dict, "")
+    by_name["attention_options"] = Flag("attention-options", "attention", "options", dict, "")
     sections = {n for n, f in EngineConfig.model_fields.items() if n != "device"}
     out: dict[str, Any] = {}
     for key, value in settings.items():

@@ -13,6 +13,7 @@ steps only the new blocks), so a step costs O(new tokens + requests), not O(bloc
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -241,7 +242,9 @@ class ModelRunner:
             num_reqs, num_tokens, num_decodes, qsl, seq_lens, table[:, :max_blocks],
             np.concatenate([np.asarray(c, dtype=np.int64) for c in slot_chunks]),
         )
-        input_ids = torch.tensor([t for chunk in token_chunks for t in chunk], dtype=torch.long).to(self.device)
+        input_ids = torch.from_numpy(
+            np.fromiter(itertools.chain.from_iterable(token_chunks), dtype=np.int64, count=num_tokens)
+        ).to(self.device)
         positions = torch.from_numpy(
             np.concatenate([np.asarray(c, dtype=np.int64) for c in position_chunks])
         ).to(self.device)

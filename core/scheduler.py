@@ -290,7 +290,7 @@ class Scheduler:
             if new_blocks is None:
                 break
             self.waiting.pop()
-            self._record_prefix_stats(request, num_cached)
+            self.kv.record_prefix_lookup(request.num_tokens, num_cached)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
             if request.first_scheduled_time is None:
@@ -304,13 +304,6 @@ class Scheduler:
             budget -= num_new
         self.step_scheduled_tokens = self.max_num_batched_tokens - budget
         return output
-
-    def _record_prefix_stats(self, request: Request, num_cached: int) -> None:
-        if self.kv.enable_caching:
-            stats = self.kv.prefix_cache_stats
-            stats.requests += 1
-            stats.queries += request.num_tokens
-            stats.hits += num_cached
 
     def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
         """Append each sampled token, apply stop conditions, free finished requests.

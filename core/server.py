@@ -446,7 +446,7 @@ class ServerState:
                            "model_not_found")
 
 
-def default_served_model_name(config: EngineConfig, model_dir: str) -> str:
+def default_served_model_name(config: EngineConfig) -> str:
     if config.server.served_model_name:
         return config.server.served_model_name
     if config.model.model is None:  # the embedded default: its name, not its cache directory's
@@ -470,7 +470,7 @@ def build_app(config: EngineConfig, start_timeout: float = 600.0, record_trace: 
             if state.uvicorn_server is not None:
                 state.uvicorn_server.should_exit = True
             return
-        state.served_model_name = default_served_model_name(config, llm.model_info.model_dir)
+        state.served_model_name = default_served_model_name(config)
         if record_trace:
             from paged.core.lab.trace import TraceRecorder
 
