@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Any, Sequence
 
@@ -155,15 +156,39 @@ def _read_prompts(args: argparse.Namespace) -> list[dict[str, Any]]:
     return items
 
 
+def _is_torchrun_worker() -> bool:
+    from paged.core.distributed import rendezvous_from_env
+
+    launched = rendezvous_from_env()
+    return launched is not None and launched[0] != 0
+
+
+def _run_torchrun_worker(config: EngineConfig) -> int:
+    """Under torchrun every process runs the same command; the ranks other than 0 serve rank 0's
+    engine core as tensor-parallel workers instead."""
+    from paged.core.executor import run_worker_from_env
+
+    return run_worker_from_env(config)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from paged.core.engine import LLMEngine
-    from paged.core.sampling_params import SamplingParams
 
     config = engine_config_from_args(args)
+    if _is_torchrun_worker():
+        return _run_torchrun_worker(config)
     items = _read_prompts(args)
     defaults: dict[str, Any] = {"temperature": 0.0, "max_tokens": 128}
     defaults.update({k[3:]: v for k, v in vars(args).items() if k.startswith("sp:")})
     engine = LLMEngine(config)
+    try:
+        return _run_prompts(args, engine, items, defaults)
+    finally:
+        engine.shutdown()
+
+
+def _run_prompts(args: argparse.Namespace, engine, items: list[dict[str, Any]], defaults: dict[str, Any]) -> int:
+    from paged.core.sampling_params import SamplingParams
 
     ids, prompts, served = [], [], []  # served: (params, priority) per request, for --record-trace
     for item in items:
@@ -275,6 +300,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = engine_config_from_args(args)
     resolve_plugins(config, device=_device_for_check(config))  # bad plugin names fail before anything starts
+    if os.environ.get("WORLD_SIZE", "1") != "1" and config.parallel.data_parallel_size > 1:
+        raise PagedError(
+            f"parallel.data_parallel_size: {config.parallel.data_parallel_size} cannot be combined with a "
+            "torchrun launch (WORLD_SIZE is set); under torchrun use --tensor-parallel-size only"
+        )
+    if _is_torchrun_worker():
+        return _run_torchrun_worker(config)
     return run_server(config, access_log=args.access_log, log_level="warning" if args.quiet else "info",
                       record_trace=args.record_trace)
 

@@ -73,8 +73,10 @@ class AttentionConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    tensor_parallel_size: int = Field(1, gt=0)
-    data_parallel_size: int = Field(1, gt=0)
+    tensor_parallel_size: int = Field(
+        1, gt=0, description="ranks that split each layer (processes on this machine, or torchrun's WORLD_SIZE)"
+    )
+    data_parallel_size: int = Field(1, gt=0, description="engine cores behind one `paged serve` front-end")
 
 
 class ServerConfig(_Section):

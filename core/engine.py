@@ -15,7 +15,7 @@ from typing import Sequence
 
 from paged.core.config import EngineConfig
 from paged.core.engine_core import EngineCore
-from paged.core.errors import InvalidRequestError
+from paged.core.errors import ConfigError, InvalidRequestError
 from paged.core.outputs import RequestOutput
 from paged.core.processor import InputProcessor, OutputProcessor
 from paged.core.request import RequestStatus
@@ -32,10 +32,23 @@ class EngineStats:
     generation_tokens: int = 0
 
 
+def check_offline_parallelism(config: EngineConfig) -> None:
+    """The in-process engine is one engine core: data parallelism (several cores, each with its
+    own KV cache, behind one front-end) exists only in ``paged serve``."""
+    dp = config.parallel.data_parallel_size
+    if dp > 1:
+        raise ConfigError(
+            f"parallel.data_parallel_size: {dp} is not supported by the offline engine (LLM, LLMEngine, "
+            f"paged run, paged lab); data parallelism is supported by `paged serve --data-parallel-size {dp}`. "
+            f"Use 1 here."
+        )
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, registry=None) -> None:
         from paged.models.loader import load_tokenizer
 
+        check_offline_parallelism(config)
         self.config = config
         self.core = EngineCore(config, registry)
         self.model_info = self.core.model_info
@@ -92,6 +105,10 @@ class LLMEngine:
             request_ids = [request_ids]
         for request_id in request_ids:
             self.core.abort_requests(self.output_processor.remove(request_id))
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor-parallel ranks), if any; idempotent."""
+        self.core.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return len(self.output_processor) > 0

@@ -63,6 +63,7 @@ class CoreStats:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, registry=None) -> None:
+        from paged.core.executor import TensorParallelExecutor, configure_cpu_threads
         from paged.core.model_runner import ModelRunner, resolve_device
         from paged.core.plugins import get_registry
 
@@ -70,10 +71,20 @@ class EngineCore:
         registry = registry or get_registry()
         self.device = resolve_device(config.device)
         self.plugins = resolve_plugins(config, registry, self.device.type)
+        configure_cpu_threads(config, self.device)
+        # Tensor parallelism: this process becomes rank 0 (the other ranks start or join here).
+        self.executor = TensorParallelExecutor.start(config, self.device)
+        if self.executor is not None:
+            self.device = self.executor.device
         logger.info(
             "device %s, attention backend %r, policy %r", self.device, self.plugins.attention.name, self.plugins.policy.name
         )
-        self.runner = ModelRunner(config, self.plugins, registry, self.device)
+        try:
+            self.runner = ModelRunner(config, self.plugins, registry, self.device)
+        except BaseException:
+            if self.executor is not None:
+                self.executor.abort()  # the other ranks may be inside a collective: no stop broadcast
+            raise
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
@@ -136,6 +147,11 @@ class EngineCore:
                 )
             )
         return outputs
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks, if any; idempotent."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def snapshot_stats(self) -> CoreStats:
         stats = self.stats

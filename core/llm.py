@@ -46,6 +46,16 @@ class LLM:
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor-parallel ranks); also done at exit."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     def generate(
         self,
         prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],

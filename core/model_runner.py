@@ -9,6 +9,12 @@ last token of requests whose known tokens are all computed after this step (``sa
 
 The runner keeps each request's block ids across steps (admission sends the full list, later
 steps only the new blocks), so a step costs O(new tokens + requests), not O(blocks held).
+
+Under tensor parallelism every rank has a runner over its share of the model and of the KV
+heads; the scheduler and the sampler exist on rank 0 only. Rank 0 flattens the step into
+``StepInputs``, broadcasts them (one packed int64 array over the gloo group), and every rank
+runs the same forward; rank 0 receives the gathered logits and samples. The other ranks sit in
+``run_worker_loop`` until rank 0 broadcasts the stop sentinel.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch
 
 from paged.core.attention import AttentionLayout, BatchInputs
 from paged.core.config import EngineConfig, ResolvedPlugins
+from paged.core.distributed import get_tp, shard_heads
 from paged.core.kv_cache_manager import cdiv
 from paged.core.sampler import Sampler, SamplerOutput
 from paged.core.scheduler import SchedulerOutput
@@ -44,6 +51,40 @@ def resolve_device(setting: str) -> torch.device:
 class StepResult:
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, object]
+
+
+_HEADER = 5  # num_reqs, num_tokens, num_decodes, max_blocks, num_logits_rows
+
+
+@dataclass
+class StepInputs:
+    """Everything a rank needs for one forward, as host arrays: the flat tokens, the batch layout
+    (see BatchInputs) and the hidden-state rows whose logits are sampled."""
+
+    num_decodes: int
+    input_ids: np.ndarray  # [num_tokens] int64
+    positions: np.ndarray  # [num_tokens] int64
+    query_start_loc: np.ndarray  # [num_reqs + 1] int32
+    seq_lens: np.ndarray  # [num_reqs] int32
+    block_table: np.ndarray  # [num_reqs, max_blocks] int32
+    slot_mapping: np.ndarray  # [num_tokens] int64
+    logits_rows: np.ndarray  # [num_sampled] int64
+
+    def pack(self) -> np.ndarray:
+        """One int64 array: a 5-number header, then the arrays in field order."""
+        num_reqs, max_blocks = self.block_table.shape
+        header = [num_reqs, len(self.input_ids), self.num_decodes, max_blocks, len(self.logits_rows)]
+        parts = [self.input_ids, self.positions, self.query_start_loc, self.seq_lens,
+                 self.block_table.reshape(-1), self.slot_mapping, self.logits_rows]
+        return np.concatenate([np.asarray(header, dtype=np.int64)] + [np.asarray(p, dtype=np.int64) for p in parts])
+
+    @classmethod
+    def unpack(cls, packed: np.ndarray) -> "StepInputs":
+        num_reqs, num_tokens, num_decodes, max_blocks, num_logits = (int(x) for x in packed[:_HEADER])
+        sizes = [num_tokens, num_tokens, num_reqs + 1, num_reqs, num_reqs * max_blocks, num_tokens, num_logits]
+        ids, pos, qsl, seq, table, slots, rows = np.split(packed[_HEADER:], np.cumsum(sizes)[:-1])
+        return cls(num_decodes, ids, pos, qsl.astype(np.int32), seq.astype(np.int32),
+                   table.astype(np.int32).reshape(num_reqs, max_blocks), slots, rows)
 
 
 class ModelRunner:
@@ -69,17 +110,21 @@ class ModelRunner:
             )
         self.block_size = config.cache.block_size
         num_layers, num_heads, num_kv_heads, head_dim = attention_shape(self.hf_config)
+        self.tp = get_tp()
+        # Every rank checks every rank's share, so an impossible split fails alike everywhere,
+        # before any collective. The model's layers split the heads the same way.
+        heads = [shard_heads(num_heads, num_kv_heads, r, self.tp.size) for r in range(self.tp.size)][self.tp.rank]
         self.layout = AttentionLayout(
-            num_layers, num_heads, num_kv_heads, head_dim, self.block_size, self.dtype, device
+            num_layers, heads.num_heads, heads.num_kv_heads, head_dim, self.block_size, self.dtype, device
         )
         self.backend = plugins.attention.factory(self.layout, plugins.attention_options)
         t0 = time.perf_counter()
         self.model = build_model(self.model_dir, self.hf_config, model_spec.factory, self.backend, self.dtype, device)
         self.load_time_s = time.perf_counter() - t0
         self.vocab_size = int(self.hf_config.vocab_size)
-        self.sampler = Sampler(self.vocab_size, device)
+        self.sampler = Sampler(self.vocab_size, device) if self.tp.is_first else None
 
-        self.num_blocks = self._determine_num_blocks()
+        self.num_blocks = self._agree_on_num_blocks(self._determine_num_blocks())
         self.kv_caches = self.backend.allocate_kv_cache(self.num_blocks)
         self.max_blocks_per_req = cdiv(self.max_model_len, self.block_size)
         max_seqs = config.scheduler.max_num_seqs
@@ -117,6 +162,14 @@ class ModelRunner:
                 f"({per_block} bytes); raise kv_cache_memory_gib or gpu_memory_utilization"
             )
         return int(num_blocks)
+
+    def _agree_on_num_blocks(self, num_blocks: int) -> int:
+        """Every rank must hold the same block ids: the smallest count any rank can afford."""
+        if self.tp.size == 1:
+            return num_blocks
+        count = torch.tensor([num_blocks], dtype=torch.int64)
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN, group=self.tp.cpu_group)
+        return int(count.item())
 
     def _profile_gpu_kv_budget(self) -> int:
         """gpu_memory_utilization x total - weights - peak activation of a dummy forward at the
@@ -204,8 +257,21 @@ class ModelRunner:
         self._update_block_ids(output)
         if not output.scheduled:
             return StepResult({}, {})
-        # Decodes first (query length 1), then prefill chunks; stable within each group.
-        order = sorted(output.scheduled, key=lambda s: s.num_new_tokens != 1)
+        inputs, sample_requests = self._prepare_inputs(output)
+        if self.tp.size > 1:
+            self.tp.broadcast_array(inputs.pack())
+        logits = self._forward(inputs)
+        if not sample_requests:
+            return StepResult({}, {})
+        sampled: SamplerOutput = self.sampler.sample(logits, sample_requests)
+        token_ids = {r.request_id: t for r, t in zip(sample_requests, sampled.token_ids)}
+        logprobs = {r.request_id: lp for r, lp in zip(sample_requests, sampled.logprobs) if lp is not None}
+        return StepResult(token_ids, logprobs)
+
+    def _prepare_inputs(self, output: SchedulerOutput) -> tuple[StepInputs, list]:
+        """Flatten the scheduled requests (decodes first); also the requests sampled this step,
+        in the order of ``logits_rows``."""
+        order = sorted(output.scheduled, key=lambda s: s.num_new_tokens != 1)  # stable within each group
         num_reqs = len(order)
         num_decodes = sum(1 for s in order if s.num_new_tokens == 1)
         bs = self.block_size
@@ -238,25 +304,35 @@ class ModelRunner:
         qsl = np.zeros(num_reqs + 1, dtype=np.int32)
         np.cumsum(query_lens, out=qsl[1:])
         num_tokens = int(qsl[-1])
-        batch = self._to_batch(
-            num_reqs, num_tokens, num_decodes, qsl, seq_lens, table[:, :max_blocks],
-            np.concatenate([np.asarray(c, dtype=np.int64) for c in slot_chunks]),
+        inputs = StepInputs(
+            num_decodes=num_decodes,
+            input_ids=np.fromiter(itertools.chain.from_iterable(token_chunks), dtype=np.int64, count=num_tokens),
+            positions=np.concatenate([np.asarray(c, dtype=np.int64) for c in position_chunks]),
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            block_table=table[:, :max_blocks],
+            slot_mapping=np.concatenate([np.asarray(c, dtype=np.int64) for c in slot_chunks]),
+            logits_rows=qsl[1:][sample_rows].astype(np.int64) - 1,
         )
-        input_ids = torch.from_numpy(
-            np.fromiter(itertools.chain.from_iterable(token_chunks), dtype=np.int64, count=num_tokens)
-        ).to(self.device)
-        positions = torch.from_numpy(
-            np.concatenate([np.asarray(c, dtype=np.int64) for c in position_chunks])
-        ).to(self.device)
+        return inputs, sample_requests
 
+    def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The model on this rank's share; the sampled rows' logits (rank 0) or None."""
+        num_reqs = len(inputs.seq_lens)
+        batch = self._to_batch(
+            num_reqs, len(inputs.input_ids), inputs.num_decodes, inputs.query_start_loc, inputs.seq_lens,
+            inputs.block_table, inputs.slot_mapping,
+        )
+        input_ids = torch.from_numpy(inputs.input_ids).to(self.device)
+        positions = torch.from_numpy(inputs.positions).to(self.device)
         metadata = self.backend.build_metadata(batch)
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)
-        if not sample_requests:
-            return StepResult({}, {})
-        last_token_rows = torch.from_numpy(qsl[1:][sample_rows].astype(np.int64) - 1).to(self.device)
-        logits = self.model.compute_logits(hidden[last_token_rows])
-        sampled: SamplerOutput = self.sampler.sample(logits, sample_requests)
-        token_ids = {r.request_id: t for r, t in zip(sample_requests, sampled.token_ids)}
-        logprobs = {r.request_id: lp for r, lp in zip(sample_requests, sampled.logprobs) if lp is not None}
-        return StepResult(token_ids, logprobs)
+        if not len(inputs.logits_rows):
+            return None
+        return self.model.compute_logits(hidden[torch.from_numpy(inputs.logits_rows).to(self.device)])
 
+    @torch.inference_mode()
+    def run_worker_loop(self) -> None:
+        """Ranks other than 0: run each step rank 0 broadcasts, until it broadcasts the stop."""
+        while (packed := self.tp.broadcast_array(None)) is not None:
+            self._forward(StepInputs.unpack(packed))

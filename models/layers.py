@@ -4,17 +4,26 @@ paged attention wrapper are defined.
 All modules take flattened tokens: ``[num_tokens, ...]`` with a 1-D ``positions`` tensor, never
 ``[batch, seq, ...]``. Parameters are created uninitialised on the target dtype and device
 (``load_weights`` fills every one of them, or fails) and never require grad.
+
+Tensor parallelism (``paged.core.distributed``): the layers read the current group when they
+are built and hold only their rank's share. Column-parallel layers (fused QKV, gate-up) keep a
+slice of the output rows, row-parallel layers (o_proj, down_proj) the matching input columns and
+sum their partial outputs with one all-reduce; the embedding and the LM head split the
+vocabulary. Each parameterised module says which slice of which checkpoint tensor fills it
+(``checkpoint_slices``), so loading a shard reads only its rows or columns.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paged.core.distributed import HeadShard, get_tp, shard_heads, shard_range
 from paged.core.errors import ModelLoadError
 
 # ---- parameters without initialisation ------------------------------------------------------
@@ -24,8 +33,37 @@ def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str | N
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
+@dataclass(frozen=True)
+class CheckpointSlice:
+    """One checkpoint tensor's destination: ``param.narrow(dim, dest_start, length)`` is filled
+    from ``tensor.narrow(dim, src_start, length)``; the checkpoint tensor must be ``full_shape``."""
+
+    param: nn.Parameter
+    dim: int
+    dest_start: int
+    src_start: int
+    length: int
+    full_shape: tuple[int, ...]
+
+    @classmethod
+    def whole(cls, param: nn.Parameter) -> "CheckpointSlice":
+        return cls(param, 0, 0, 0, param.shape[0], tuple(param.shape))
+
+
+def _with_dim(shape: torch.Size, dim: int, size: int) -> tuple[int, ...]:
+    out = list(shape)
+    out[dim] = size
+    return tuple(out)
+
+
+def whole_parameters(name: str, module: nn.Module) -> dict[str, CheckpointSlice]:
+    """The default: each of ``module``'s own parameters is one whole checkpoint tensor."""
+    return {f"{name}.{kind}": CheckpointSlice.whole(p) for kind, p in module.named_parameters(recurse=False)}
+
+
 class Linear(nn.Module):
-    """``y = x W^T (+ b)`` with an uninitialised weight ``[out_features, in_features]``."""
+    """``y = x W^T (+ b)`` with an uninitialised weight ``[out_features, in_features]``
+    (replicated on every rank)."""
 
     def __init__(
         self,
@@ -52,18 +90,95 @@ class Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-class Embedding(nn.Module):
+class RowParallelLinear(Linear):
+    """A linear layer whose input features ``[in_start, in_end)`` of ``full_in_features`` live on
+    this rank: each rank computes a partial ``x_shard W_shard^T`` and one all-reduce sums them.
+    The bias (replicated) is added by rank 0 only, so it is counted once."""
+
+    def __init__(self, full_in_features: int, out_features: int, bias: bool, in_range: tuple[int, int], *, dtype, device) -> None:
+        super().__init__(in_range[1] - in_range[0], out_features, bias, dtype=dtype, device=device)
+        self.tp = get_tp()
+        self.full_in_features = full_in_features
+        self.in_start = in_range[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        return self.tp.all_reduce(F.linear(x, self.weight, self.bias if self.tp.is_first else None))
+
+    def checkpoint_slices(self, name: str) -> dict[str, CheckpointSlice]:
+        out = {f"{name}.weight": CheckpointSlice(
+            self.weight, 1, 0, self.in_start, self.in_features, (self.out_features, self.full_in_features)
+        )}
+        if self.bias is not None:
+            out[f"{name}.bias"] = CheckpointSlice.whole(self.bias)
+        return out
+
+
+class MergedColumnParallelLinear(Linear):
+    """Several checkpoint projections of the same input stacked by rows (gate and up): this rank
+    holds rows ``[start, end)`` of each, stacked in the same order."""
+
+    def __init__(self, in_features: int, full_sizes: dict[str, int], ranges: dict[str, tuple[int, int]], bias: bool, *, dtype, device) -> None:
+        super().__init__(in_features, sum(e - s for s, e in ranges.values()), bias, dtype=dtype, device=device)
+        self.full_sizes = full_sizes
+        self.ranges = ranges
+
+    def checkpoint_slices(self, name: str) -> dict[str, CheckpointSlice]:
+        parent = name.rpartition(".")[0]
+        out: dict[str, CheckpointSlice] = {}
+        for kind, param in self.named_parameters(recurse=False):
+            dest = 0
+            for shard, (start, end) in self.ranges.items():
+                full = _with_dim(param.shape, 0, self.full_sizes[shard])
+                out[f"{parent}.{shard}.{kind}"] = CheckpointSlice(param, 0, dest, start, end - start, full)
+                dest += end - start
+        return out
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embeddings split by vocabulary: rank ``r`` holds rows ``[r*S, min((r+1)*S, V))``
+    with ``S = ceil(V / size)`` (zero padding rows make the shards equal). A token outside this
+    rank's rows contributes zeros; one all-reduce assembles the embedding."""
+
     def __init__(self, num_embeddings: int, embedding_dim: int, *, dtype: torch.dtype, device) -> None:
         super().__init__()
+        self.tp = get_tp()
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.weight = _empty_param(num_embeddings, embedding_dim, dtype=dtype, device=device)
+        self.shard_size = -(-num_embeddings // self.tp.size)
+        self.vocab_start = self.tp.rank * self.shard_size
+        self.vocab_end = min(self.vocab_start + self.shard_size, num_embeddings)
+        self.weight = _empty_param(self.shard_size, embedding_dim, dtype=dtype, device=device)
+        if self.vocab_end - self.vocab_start < self.shard_size:
+            with torch.no_grad():
+                self.weight[self.vocab_end - self.vocab_start :].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        local = F.embedding((input_ids - self.vocab_start).masked_fill_(outside, 0), self.weight)
+        return self.tp.all_reduce(local.masked_fill_(outside.unsqueeze(-1), 0))
+
+    def checkpoint_slices(self, name: str) -> dict[str, CheckpointSlice]:
+        return {f"{name}.weight": CheckpointSlice(
+            self.weight, 0, 0, self.vocab_start, self.vocab_end - self.vocab_start,
+            (self.num_embeddings, self.embedding_dim),
+        )}
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}"
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.vocab_start}, {self.vocab_end})"
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection split by vocabulary like the embedding (so a tied head shares its
+    weight shard): each rank computes its logit columns and rank 0 gathers them."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits ``[N, vocab]`` on rank 0; None on the other ranks."""
+        logits = self.tp.gather_last_dim(F.linear(hidden_states, self.weight))
+        return None if logits is None else logits[:, : self.num_embeddings].float()
 
 
 # ---- RMSNorm ---------------------------------------------------------------------------------
@@ -211,16 +326,26 @@ class RotaryEmbedding(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one projection
-    (``gate_up_proj.weight`` = rows of gate, then rows of up)."""
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one column-parallel projection
+    (``gate_up_proj.weight`` = this rank's rows of gate, then the same rows of up) and a
+    row-parallel ``down_proj``."""
 
     def __init__(
         self, hidden_size: int, intermediate_size: int, bias: bool = False, *, dtype: torch.dtype, device
     ) -> None:
         super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, dtype=dtype, device=device)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype=dtype, device=device)
+        tp = get_tp()
+        start, end = shard_range(intermediate_size, tp.rank, tp.size)
+        self.intermediate_size = end - start  # this rank's share
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size,
+            {"gate_proj": intermediate_size, "up_proj": intermediate_size},
+            {"gate_proj": (start, end), "up_proj": (start, end)},
+            bias,
+            dtype=dtype,
+            device=device,
+        )
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, (start, end), dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -233,9 +358,10 @@ class GatedMLP(nn.Module):
 class Attention(nn.Module):
     """Fused QKV projection, rotary, the backend's paged attention, output projection.
 
-    ``qkv_proj.weight`` = rows of q (``num_heads * head_dim``), then k, then v
-    (``num_kv_heads * head_dim`` each). The attention itself (KV write + attend) is always
-    ``backend.forward(q, k, v, kv_cache, attn_metadata)``.
+    ``qkv_proj.weight`` = rows of this rank's q heads (``num_heads * head_dim``, the local
+    count), then its k heads, then its v heads (``num_kv_heads * head_dim`` each); ``o_proj`` is
+    row-parallel over the same q heads. The attention itself (KV write + attend) is always
+    ``backend.forward(q, k, v, kv_cache, attn_metadata)``, on the local heads only.
     """
 
     def __init__(
@@ -253,13 +379,26 @@ class Attention(nn.Module):
         device,
     ) -> None:
         super().__init__()
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
+        tp = get_tp()
+        shard: HeadShard = shard_heads(num_heads, num_kv_heads, tp.rank, tp.size)
+        self.num_heads = shard.num_heads
+        self.num_kv_heads = shard.num_kv_heads
         self.head_dim = head_dim
-        self.q_size = num_heads * head_dim
-        self.kv_size = num_kv_heads * head_dim
-        self.qkv_proj = Linear(hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, dtype=dtype, device=device)
-        self.o_proj = Linear(self.q_size, hidden_size, o_bias, dtype=dtype, device=device)
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        d = head_dim
+        kv_rows = (shard.kv_start * d, shard.kv_end * d)
+        self.qkv_proj = MergedColumnParallelLinear(
+            hidden_size,
+            {"q_proj": num_heads * d, "k_proj": num_kv_heads * d, "v_proj": num_kv_heads * d},
+            {"q_proj": (shard.q_start * d, shard.q_end * d), "k_proj": kv_rows, "v_proj": kv_rows},
+            qkv_bias,
+            dtype=dtype,
+            device=device,
+        )
+        self.o_proj = RowParallelLinear(
+            num_heads * d, hidden_size, o_bias, (shard.q_start * d, shard.q_end * d), dtype=dtype, device=device
+        )
         self.rotary = rotary  # one instance shared by all layers (buffers only, no weights)
         self.backend = backend  # not an nn.Module: holds no parameters
 

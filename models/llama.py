@@ -5,11 +5,12 @@ Contract relied on by the model runner::
     model = LlamaForCausalLM(hf_config, backend, dtype, device)
     model.load_weights(iter_of_(hf_name, tensor))
     hidden = model(input_ids[T], positions[T], kv_caches, attn_metadata)   # [T, hidden_size]
-    logits = model.compute_logits(hidden[N])                               # [N, vocab] float32
+    logits = model.compute_logits(hidden[N])     # [N, vocab] float32 (None on ranks other than 0)
     attention_shape(hf_config) -> (num_layers, num_heads, num_kv_heads, head_dim)
 
 Module names follow the HF checkpoint except for the fused projections: ``qkv_proj`` (loaded
 from ``q_proj``, ``k_proj``, ``v_proj``) and ``gate_up_proj`` (from ``gate_proj``, ``up_proj``).
+Under tensor parallelism each rank builds and loads only its share (``paged.models.layers``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,17 @@ import torch
 from torch import nn
 
 from paged.core.errors import ModelLoadError
-from paged.models.layers import Attention, Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, rope_settings
+from paged.models.layers import (
+    Attention,
+    CheckpointSlice,
+    GatedMLP,
+    ParallelLMHead,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabParallelEmbedding,
+    rope_settings,
+    whole_parameters,
+)
 
 
 def attention_shape(hf_config: Any) -> tuple[int, int, int, int]:
@@ -89,7 +100,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         _, _, _, head_dim = attention_shape(config)
         theta, scaling = rope_settings(config)
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.rotary_emb = RotaryEmbedding(
             head_dim, int(config.max_position_embeddings), theta, scaling, device=device
         )
@@ -134,10 +145,10 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(hf_config, backend, self.biases(hf_config), dtype=dtype, device=self.device)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
-            self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, dtype=dtype, device="meta")
+            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, dtype=dtype, device="meta")
             self.lm_head.weight = self.model.embed_tokens.weight
         else:
-            self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, dtype=dtype, device=self.device)
+            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, dtype=dtype, device=self.device)
 
     # ---- what differs between the architectures ------------------------------------------------
 
@@ -172,31 +183,19 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states).float()
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head(hidden_states)
 
     # ---- weights ---------------------------------------------------------------------------------
 
-    def _expected_tensors(self) -> dict[str, tuple[nn.Parameter, int, int]]:
-        """Checkpoint name -> (parameter, first row, number of rows) that it fills."""
-        expected: dict[str, tuple[nn.Parameter, int, int]] = {}
-        modules = dict(self.named_modules())
-        for name, param in self.named_parameters():  # a tied lm_head shows up once, as the embedding
-            module_name, _, kind = name.rpartition(".")  # kind: weight | bias
-            parent, _, leaf = module_name.rpartition(".")
-            if leaf == "qkv_proj":
-                attn = modules[parent]
-                shards = [("q_proj", attn.q_size), ("k_proj", attn.kv_size), ("v_proj", attn.kv_size)]
-            elif leaf == "gate_up_proj":
-                size = modules[parent].intermediate_size
-                shards = [("gate_proj", size), ("up_proj", size)]
-            else:
-                expected[name] = (param, 0, param.shape[0])
-                continue
-            start = 0
-            for shard, size in shards:
-                expected[f"{parent}.{shard}.{kind}"] = (param, start, size)
-                start += size
+    def _expected_tensors(self) -> dict[str, CheckpointSlice]:
+        """Checkpoint name -> the slice of a parameter it fills (and the slice of it to read)."""
+        expected: dict[str, CheckpointSlice] = {}
+        owned: set[int] = set()  # a tied lm_head holds the embedding's parameter: loaded once, as the embedding
+        for name, module in self.named_modules():
+            slices = module.checkpoint_slices(name) if hasattr(module, "checkpoint_slices") else whole_parameters(name, module)
+            expected.update((k, w) for k, w in slices.items() if id(w.param) not in owned)
+            owned.update(id(p) for p in module.parameters(recurse=False))
         return expected
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -217,15 +216,12 @@ class LlamaForCausalLM(nn.Module):
                 if target is None:
                     unexpected.append(name)
                     continue
-                param, start, size = target
-                dest = param.narrow(0, start, size)
-                if tuple(dest.shape) != tuple(tensor.shape):
-                    mismatched.append(
-                        f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(dest.shape)}"
-                    )
+                if tuple(tensor.shape) != target.full_shape:
+                    mismatched.append(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {target.full_shape}")
                     loaded.add(name)  # present, reported as a mismatch rather than as missing
                     continue
-                dest.copy_(tensor)
+                dest = target.param.narrow(target.dim, target.dest_start, target.length)
+                dest.copy_(tensor.narrow(target.dim, target.src_start, target.length))
                 loaded.add(name)
         missing = [name for name in expected if name not in loaded]
         if missing or unexpected or mismatched:
