@@ -8,7 +8,13 @@ by every layer); each layer's ``forward`` then
    request may read blocks that another request of the same step has just written;
 2. attends, decodes and prefill chunks separately:
 
-   - decodes (query length 1, the first ``num_decodes`` requests), as one batch: whole blocks
+   - decodes (query length 1, the first ``num_decodes`` requests) on the CPU: one call of the
+     fused C++ kernel of ``cpu_paged_decode`` (online softmax straight over the block table, no
+     gather; option ``cpu_decode_kernel``, default on). It is built (or loaded from the build
+     cache) when the first CPU backend of the process is constructed, so that a first build's
+     seconds fall in start-up and not in a step; if it cannot be built (no compiler, no ninja)
+     the backend warns once and takes the path below;
+   - decodes on other devices (or without the kernel), as one batch: whole blocks
      ``block_table[:B, :num_blocks]`` are gathered with ``index_select`` into a persistent buffer
      viewed as ``[B, max_len, Hkv, D]``, the rows past each request's ``seq_len`` are zeroed (the
      padding blocks and the stale tail of the last block may hold anything, even NaN: a masked
@@ -24,19 +30,41 @@ by every layer); each layer's ``forward`` then
 Invariants: caches are contiguous ``[num_blocks, block_size, num_kv_heads, head_dim]`` (as
 ``default_allocate_kv_cache`` makes them); ``num_heads`` is a multiple of ``num_kv_heads``
 (query head ``h`` uses KV head ``h // (num_heads // num_kv_heads)``); scale ``head_dim ** -0.5``.
-Attention runs in the cache dtype; the output has the query's dtype.
+Attention runs in the cache dtype (the fused kernel reads it and accumulates in fp32); the output
+has the query's dtype.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
 
+from paged.backends import cpu_paged_decode
 from paged.core.attention import AttentionLayout, BatchInputs, default_allocate_kv_cache, write_kv_by_slot
 from paged.core.kv_cache_manager import cdiv
+
+
+class TorchAttentionOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    cpu_decode_kernel: bool = Field(
+        True,
+        description="decodes on the CPU: the fused C++ paged-decode kernel (built once per machine) instead "
+        "of gather + SDPA; falls back to the gather with one warning if it cannot be built",
+    )
+
+
+@dataclass
+class FusedDecodeMetadata:
+    """The first ``num_decodes`` requests, for the fused CPU kernel: it reads the block table."""
+
+    num_decodes: int
+    block_table: torch.Tensor  # [num_decodes, max_blocks_per_req] int32
+    seq_lens: torch.Tensor  # [num_decodes] int32
 
 
 @dataclass
@@ -67,21 +95,25 @@ class PrefillChunk:
 class TorchAttentionMetadata:
     num_tokens: int
     slot_mapping: torch.Tensor  # [num_tokens] int64
-    decode: DecodeMetadata | None
+    decode: DecodeMetadata | FusedDecodeMetadata | None
     prefills: list[PrefillChunk] = field(default_factory=list)
     prefill_slots: torch.Tensor | None = None  # [sum of prefill seq_lens] int64, in chunk order
 
 
 class TorchAttentionBackend:
-    """Paged attention with ``index_select`` gathers and ``scaled_dot_product_attention``."""
+    """Paged attention with ``index_select`` gathers and ``scaled_dot_product_attention``; CPU
+    decodes through the fused kernel."""
 
     name = "torch"
 
-    def __init__(self, layout: AttentionLayout, options: Any = None) -> None:
+    def __init__(self, layout: AttentionLayout, options: TorchAttentionOptions | None = None) -> None:
         if layout.num_heads % layout.num_kv_heads:
             raise ValueError(f"num_heads {layout.num_heads} is not a multiple of num_kv_heads {layout.num_kv_heads}")
         self.layout = layout
-        self.options = options
+        self.options = options or TorchAttentionOptions()
+        self._kernel: Callable[..., None] | None = None  # cpu_paged_decode: (q, k/v_cache, table, lens, scale, out)
+        if self.options.cpu_decode_kernel and layout.device.type == "cpu":
+            self._kernel = cpu_paged_decode.load()  # once per process; None (warned) if it cannot be built
         self._buffers: dict[str, torch.Tensor] = {}  # gather scratch, reused by every layer and step
 
     def allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -98,7 +130,9 @@ class TorchAttentionBackend:
 
         assert query_start_loc[num_decodes] == num_decodes, "decodes (query length 1) must come first"
         decode = None
-        if num_decodes:
+        if num_decodes and self._kernel is not None:
+            decode = FusedDecodeMetadata(num_decodes, batch.block_table[:num_decodes], batch.seq_lens[:num_decodes])
+        elif num_decodes:
             num_blocks = cdiv(max(seq_lens[:num_decodes]), block_size)
             max_len = num_blocks * block_size
             block_ids = batch.block_table[:num_decodes, :num_blocks].reshape(-1).long()
@@ -150,8 +184,13 @@ class TorchAttentionBackend:
 
         q = query.to(k_cache.dtype)
         out = torch.empty(query.shape, dtype=k_cache.dtype, device=query.device)
-        if metadata.decode is not None:
-            self._decode(q, k_cache, v_cache, metadata.decode, out)
+        decode = metadata.decode
+        if isinstance(decode, FusedDecodeMetadata):
+            b = decode.num_decodes
+            q_dec = q[:b] if q.stride(-1) == 1 else q[:b].contiguous()
+            self._kernel(q_dec, k_cache, v_cache, decode.block_table, decode.seq_lens, self.layout.scale, out[:b])
+        elif decode is not None:
+            self._decode(q, k_cache, v_cache, decode, out)
         if metadata.prefills:
             self._prefill(q, k_flat, v_flat, metadata, out)
         return out.to(query.dtype)

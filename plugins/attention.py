@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from paged.backends import flashinfer_attention as _flashinfer
 from paged.backends import triton_attention as _triton
-from paged.backends.torch_attention import TorchAttentionBackend
+from paged.backends.torch_attention import TorchAttentionBackend, TorchAttentionOptions
 from paged.core.hookspecs import AttentionBackendSpec, hookimpl
 
 
@@ -29,8 +29,9 @@ def register_attention_backends():
         AttentionBackendSpec(
             name="torch",
             factory=TorchAttentionBackend,
-            options=None,
-            description="PyTorch reference: index_select gathers + scaled_dot_product_attention; any device",
+            options=TorchAttentionOptions,
+            description="PyTorch reference: index_select gathers + scaled_dot_product_attention; any device "
+            "(CPU decodes: a fused C++ paged-decode kernel, option cpu_decode_kernel)",
             is_available=lambda device: (True, ""),
             auto_priority=0,
         ),

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from paged.backends.torch_attention import TorchAttentionBackend
+from paged.backends.torch_attention import TorchAttentionBackend, TorchAttentionOptions
 from paged.core.attention import AttentionBackend, AttentionLayout
 from paged.core.kv_cache_manager import cdiv
 
@@ -66,14 +66,16 @@ def run_scenario(
     prefix_via_forward=True,
     spare_blocks=3,
     seed=0,
+    kernel=True,
 ):
     """Cache each request's prefix (through an earlier forward step with its own slot mapping,
     or written directly), then run one mixed step and check every layer against the reference.
     Blocks are handed out shuffled; block 0 (the block-table padding) and some spare blocks
-    stay unused and NaN."""
+    stay unused and NaN. ``kernel``: the option ``cpu_decode_kernel`` (CPU decodes through the
+    fused kernel, else gather + SDPA)."""
     gen = torch.Generator().manual_seed(seed)
     layout = make_layout(num_heads, num_kv_heads, head_dim, block_size, dtype, device, layers)
-    backend = TorchAttentionBackend(layout)
+    backend = TorchAttentionBackend(layout, TorchAttentionOptions(cpu_decode_kernel=kernel))
     seq_lens = [c + q for c, q in requests]
     num_blocks = 1 + sum(cdiv(s, block_size) for s in seq_lens) + spare_blocks
     free = list(range(1, num_blocks))
@@ -164,13 +166,15 @@ def test_slot_mapping_writes_to_block_and_offset():
     assert torch.equal(k_cache, expected) and torch.equal(v_cache, -expected)
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "gather"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("heads", [(4, 2), (9, 3), (2, 2)])
-def test_mixed_batch_fp32(block_size, heads):
+def test_mixed_batch_fp32(block_size, heads, kernel):
     # decodes of uneven lengths (a multiple of the block size, one token past it, a single token
     # of context), then chunks after a cached prefix, one without, one of a single token
     requests = [(16, 1), (4, 1), (1, 1), (23, 1), (12, 7), (0, 9), (5, 1), (30, 3)]
-    run_scenario(requests, num_heads=heads[0], num_kv_heads=heads[1], block_size=block_size, seed=block_size)
+    run_scenario(requests, num_heads=heads[0], num_kv_heads=heads[1], block_size=block_size, seed=block_size,
+                 kernel=kernel)  # fmt: skip
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -188,33 +192,40 @@ def test_random_shapes(seed):
         block_size=rng.choice([1, 2, 4, 16]),
         prefix_via_forward=rng.random() < 0.5,
         seed=seed,
+        kernel=seed % 2 == 0,
     )
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "gather"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("device", DEVICES)
-def test_mixed_batch_half(dtype, device):
+def test_mixed_batch_half(dtype, device, kernel):
     requests = [(40, 1), (7, 1), (33, 1), (20, 12), (0, 17)]
-    run_scenario(requests, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype, device=device)
+    run_scenario(requests, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype, device=device,
+                 kernel=kernel)  # fmt: skip
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "gather"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_layers_share_metadata(device):
+def test_layers_share_metadata(device, kernel):
     # three layers, one metadata per step: the gather buffers are reused and must not leak across
-    run_scenario([(9, 1), (3, 1), (6, 5)], layers=3, block_size=4, device=device, prefix_via_forward=False)
+    run_scenario([(9, 1), (3, 1), (6, 5)], layers=3, block_size=4, device=device, prefix_via_forward=False,
+                 kernel=kernel)  # fmt: skip
 
 
 def test_decodes_without_padding_and_prefill_only():
     run_scenario([(15, 1), (15, 1), (7, 1)], block_size=8)  # all end exactly at a block boundary
+    run_scenario([(15, 1), (15, 1), (7, 1)], block_size=8, kernel=False)
     run_scenario([(0, 13), (0, 1), (8, 8)], block_size=4)  # no decodes
     run_scenario([(31, 1)], block_size=16, prefix_via_forward=False)
 
 
-def test_block_zero_in_use_and_unused_blocks_untouched():
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "gather"])
+def test_block_zero_in_use_and_unused_blocks_untouched(kernel):
     # block 0 is real here and also the padding value of block tables: the padding must be
     # masked even though it holds finite data, and a step writes only its own slots
     layout = make_layout(num_heads=4, num_kv_heads=2, head_dim=8, block_size=2)
-    backend = TorchAttentionBackend(layout)
+    backend = TorchAttentionBackend(layout, TorchAttentionOptions(cpu_decode_kernel=kernel))
     [(k_cache, v_cache)] = backend.allocate_kv_cache(8)
     k_cache.fill_(float("nan"))
     v_cache.fill_(float("nan"))
@@ -256,6 +267,7 @@ def test_plugin_registers_torch_backend():
 
     registry = load_plugins(entry_points=[], modules=[("torch_attention", plugin)], allow=None, deny=set())
     spec = registry.attention_backend("torch")
-    assert spec.factory is TorchAttentionBackend and spec.options is None
+    assert spec.factory is TorchAttentionBackend and spec.options is TorchAttentionOptions
     assert spec.is_available("cpu") == (True, "") and spec.auto_priority == 0
     assert spec.factory(make_layout(), None).name == "torch"
+    assert spec.factory(make_layout(), None).options.cpu_decode_kernel  # on by default
