@@ -6,6 +6,12 @@ in-process ``LLMEngine`` but with the core behind sockets. One output-handler ta
 core's outputs and routes each request's ``RequestOutput``s to that request's asyncio queue;
 ``generate()`` streams them and aborts the request in the core when its consumer goes away.
 
+With ``parallel.data_parallel_size`` N > 1 there are N cores behind the same sockets: a
+``DataParallelRouter`` picks the core of each core request (each child of an n > 1 request on its
+own: least loaded, preferring a known prefix) and remembers it until the request ends, so that
+aborts and stops go to the core that holds it; utility calls go to every core and ``get_stats``
+combines their answers (``paged.core.dp_stats``). Any dead core makes the whole engine dead.
+
     llm = AsyncLLM.from_config(config)        # blocks until the core says READY
     async for out in llm.generate("Hello", SamplingParams(max_tokens=8), "req-1"):
         print(out.outputs[0].new_text, end="")
@@ -23,6 +29,8 @@ from typing import Any, AsyncIterator, Sequence
 import zmq
 
 from paged.core.config import EngineConfig
+from paged.core.dp_router import DataParallelRouter
+from paged.core.dp_stats import combine_core_stats
 from paged.core.engine_core import ModelInfo
 from paged.core.engine_core_proc import (
     AbortRequests,
@@ -116,7 +124,16 @@ class AsyncLLM:
         self._handler: asyncio.Task | None = None
         self._dead: str | None = None
         self._shutting_down = False
-        self.last_stats: dict[str, Any] | None = None
+        self.num_cores: int = client.num_cores
+        self.router: DataParallelRouter | None = None  # None with one core: everything goes to core 0
+        if self.num_cores > 1:
+            self.router = DataParallelRouter(
+                self.num_cores, self.model_info.block_size,
+                max_hashes=max(sum(info.num_blocks for info in client.model_infos), 1),
+                prefix_affinity=config.cache.enable_prefix_caching,
+            )
+        self.last_stats: dict[str, Any] | None = None  # combined over the cores
+        self.last_core_stats: list[dict[str, Any]] | None = None  # one per core, by rank
         self.trace_recorder = None  # paged.core.lab.trace.TraceRecorder with `paged serve --record-trace`
 
     @classmethod
@@ -133,15 +150,32 @@ class AsyncLLM:
         except BaseException:
             client.close()
             raise
-        logger.info("engine core ready (pid %d): %d KV blocks of %d tokens, max_model_len %d",
-                    client.pid, client.model_info.num_blocks, client.model_info.block_size,
-                    client.model_info.max_model_len)
+        if client.num_cores == 1:
+            logger.info("engine core ready (pid %d): %d KV blocks of %d tokens, max_model_len %d",
+                        client.pid, client.model_info.num_blocks, client.model_info.block_size,
+                        client.model_info.max_model_len)
+        else:
+            logger.info("%d data-parallel engine cores ready (pids %s): %s KV blocks of %d tokens, max_model_len %d",
+                        client.num_cores, ", ".join(map(str, client.pids)),
+                        " + ".join(str(info.num_blocks) for info in client.model_infos),
+                        client.model_info.block_size, client.model_info.max_model_len)
         return cls(config, client, tokenizer, observer)
 
     # --- state ------------------------------------------------------------------------------
     @property
     def core_pid(self) -> int | None:
+        """Rank 0's pid (the only core's without data parallelism)."""
         return self.client.pid
+
+    @property
+    def core_pids(self) -> list[int | None]:
+        return list(self.client.pids)
+
+    def core_loads(self) -> list[int]:
+        """Per core, by rank: the unfinished core requests (children) the front-end sent to it."""
+        if self.router is None:
+            return [len(self._child_parent)]
+        return list(self.router.loads)
 
     @property
     def is_alive(self) -> bool:
@@ -194,7 +228,9 @@ class AsyncLLM:
         self._finished_children[request_id] = set()
         try:
             for request in requests:
-                await self.client.send(request_to_wire(request))
+                core = 0 if self.router is None else self.router.route(
+                    request.request_id, request.prompt_token_ids, request.cache_salt)
+                await self.client.send(request_to_wire(request), core)
         except BaseException:
             self.abort(request_id)
             raise
@@ -233,35 +269,87 @@ class AsyncLLM:
             self._child_parent.pop(child_id, None)
             self._last_token_time.pop(child_id, None)
         if child_ids:
-            self.client.send_nowait(AbortRequests(child_ids, "abort"))
+            self._send_aborts(child_ids, "abort")
+
+    def _send_aborts(self, child_ids: list[str], status: str) -> None:
+        """Abort core requests in the core(s) that hold them; they end for the router too."""
+        router = self.router
+        if router is None:
+            self.client.send_nowait(AbortRequests(child_ids, status))
+            return
+        for core, ids in router.group_by_core(child_ids).items():
+            self.client.send_nowait(AbortRequests(ids, status), core)
+            for child_id in ids:
+                router.finish(child_id)
 
     # --- utility calls ----------------------------------------------------------------------
-    async def call_utility(self, method: str, *args: Any, timeout: float = 10.0) -> Any:
+    async def call_utility(self, method: str, *args: Any, timeout: float = 10.0, core: int = 0) -> Any:
+        """Call ``method`` in one core (rank ``core``) and return its result."""
         self._check_alive()
         self._ensure_handler()
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self._utility_futures[call_id] = fut
         try:
-            await self.client.send(UtilityCall(call_id, method, list(args)))
+            await self.client.send(UtilityCall(call_id, method, list(args)), core)
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._utility_futures.pop(call_id, None)
 
+    async def call_utility_all(self, method: str, *args: Any, timeout: float = 10.0) -> list[Any]:
+        """Call ``method`` in every core; their results by rank (the first failure is raised)."""
+        if self.num_cores == 1:
+            return [await self.call_utility(method, *args, timeout=timeout)]
+        self._check_alive()
+        self._ensure_handler()
+        loop = asyncio.get_running_loop()
+        call_ids = [next(self._call_ids) for _ in range(self.num_cores)]
+        futs = [loop.create_future() for _ in call_ids]
+        self._utility_futures.update(zip(call_ids, futs))
+        try:
+            for core, call_id in enumerate(call_ids):
+                await self.client.send(UtilityCall(call_id, method, list(args)), core)
+            results = await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), timeout)
+        finally:
+            for call_id in call_ids:
+                self._utility_futures.pop(call_id, None)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return results
+
     async def get_stats(self, timeout: float = 5.0) -> dict[str, Any]:
-        """The core's CoreStats fields plus num_blocks, num_free_blocks and pid."""
-        stats = await self.call_utility("stats", timeout=timeout)
-        self.last_stats = stats
+        """The cores' CoreStats fields plus num_blocks, num_free_blocks, pid, num_requests_added
+        and pids, combined over the cores as ``paged.core.dp_stats`` says (one core: its own).
+        The per-core dicts are kept in ``last_core_stats``."""
+        per_core = await self.call_utility_all("stats", timeout=timeout)
+        stats = combine_core_stats(per_core)
+        self.last_core_stats, self.last_stats = per_core, stats
         return stats
 
     async def reset_prefix_cache(self) -> bool:
-        return await self.call_utility("reset_prefix_cache")
+        """Reset every core's prefix cache; True only if all did (a core refuses while any of its
+        requests holds blocks)."""
+        done = all(await self.call_utility_all("reset_prefix_cache"))
+        if done and self.router is not None:
+            self.router.forget_prefixes()
+        return done
 
     # --- the output handler -----------------------------------------------------------------
     async def _output_handler(self) -> None:
         pull, decoder = self.client.pull, self.client.decoder
+        # With several cores a busy one keeps the socket from going quiet while another is dead:
+        # then check the processes every _POLL_MS whatever arrives (one core: only when quiet).
+        check_when_busy = self.num_cores > 1
+        loop = asyncio.get_running_loop()
+        next_check = loop.time() + _POLL_MS / 1000
         try:
             while self._dead is None:
+                if check_when_busy and loop.time() >= next_check:
+                    next_check = loop.time() + _POLL_MS / 1000
+                    if not self.client.alive:
+                        self._on_core_death(self.client.death_message())
+                        break
                 if not await pull.poll(_POLL_MS):
                     if not self.client.alive:
                         self._on_core_death(self.client.death_message())
@@ -285,7 +373,8 @@ class AsyncLLM:
                     if parent_id is not None:
                         self.abort(parent_id)
                 elif isinstance(msg, CoreFailed):
-                    self._on_core_death(f"the engine core failed: {msg.message}")
+                    which = f" (data-parallel rank {msg.dp_rank})" if self.num_cores > 1 else ""
+                    self._on_core_death(f"the engine core{which} failed: {msg.message}")
         except asyncio.CancelledError:
             raise
         except (zmq.ZMQError, zmq.error.ContextTerminated) as e:
@@ -317,7 +406,7 @@ class AsyncLLM:
         if stopped:
             for child_id in stopped:
                 self._last_token_time.pop(child_id, None)
-            self.client.send_nowait(AbortRequests(stopped, "stop"))
+            self._send_aborts(stopped, "stop")
         for output in outputs:
             self._observe_finished(output)
             stream = self.streams.get(output.request_id)
@@ -328,9 +417,12 @@ class AsyncLLM:
                     self.trace_recorder.finish(output)
             if stream is not None:
                 stream._put(output)
+        router = self.router
         for out in core_outputs:
             if out.finish_reason is not None or out.request_id in stopped:
                 self._child_parent.pop(out.request_id, None)
+                if router is not None:
+                    router.finish(out.request_id)
 
     def _observe_finished(self, output: RequestOutput) -> None:
         done = self._finished_children.get(output.request_id)
@@ -354,10 +446,14 @@ class AsyncLLM:
         self._dead = message
         if not self._shutting_down:
             logger.error("%s; failing %d pending request(s)", message, len(self.streams))
+            if self.num_cores > 1:
+                self.client.terminate()  # one dead core is a dead engine: stop the others' work now
         err = EngineDeadError(message)
         for stream in list(self.streams.values()):
             stream._put(err)
         self.streams.clear()
+        if self.router is not None:
+            self.router.reset()
         self._child_parent.clear()
         self._last_token_time.clear()
         self._finished_children.clear()

@@ -6,6 +6,13 @@ Wire protocol (ZeroMQ + msgspec msgpack; nothing is ever pickled, the process st
     front-end ROUTER (bind, ipc)  <---- DEALER (connect) core   requests in; READY handshake
     front-end PULL   (bind, ipc)  <---- PUSH   (connect) core   outputs, utility results, errors
 
+With data parallelism (``parallel.data_parallel_size`` N > 1, ``paged serve`` only) N core
+processes, ranks 0..N-1, each a whole engine core with its own KV cache, connect to the same two
+sockets: each DEALER has its own identity (``core-<rank>-<pid>``), which the ROUTER learns from
+that core's READY, and all PUSH to the one PULL (request ids are unique, so an output needs no
+sender). The front-end sends each request to one core (``paged.core.dp_router``) and utility
+calls to every core.
+
 Front-end -> core (``CoreRequest``, a tagged union): ``AddRequest``, ``AbortRequests``,
 ``UtilityCall`` (``stats``, ``reset_prefix_cache``, ``ping``).
 Core -> front-end (``CoreMessage``): ``Ready`` (once, over the DEALER, after the model and the KV
@@ -13,15 +20,16 @@ cache are up), ``Outputs`` (one per engine step that produced something), ``Util
 ``RequestFailed`` (the core rejected an added request), ``CoreFailed`` (a fatal error; the core
 exits right after).
 
-Process: ``python -m paged.core.engine_core_proc --input ADDR --output ADDR --parent-pid PID``
-with the configuration as JSON (``EngineConfig.model_dump``) on stdin. Inside, an input thread
-decodes requests into a queue, the main thread runs the busy loop (step while there is work,
-block on the queue when idle) and an output thread encodes and sends. The core exits on
-SIGINT/SIGTERM and when its parent goes away (``os.getppid()`` changes). It runs in its own
-session, so a terminal's Ctrl-C goes to the front-end alone, which drains its connections and
-then stops the core with SIGTERM (SIGKILL after a timeout). The front-end detects a dead core by
-polling the process (``Popen.poll``) whenever its output socket is quiet, and fails the pending
-requests with ``EngineDeadError``.
+Process: ``python -m paged.core.engine_core_proc --input ADDR --output ADDR --parent-pid PID
+[--dp-rank R]`` with the configuration as JSON (``EngineConfig.model_dump``) on stdin. Inside,
+an input thread decodes requests into a queue, the main thread runs the busy loop (step while
+there is work, block on the queue when idle) and an output thread encodes and sends. The core
+exits on SIGINT/SIGTERM and when its parent goes away (``os.getppid()`` changes). It runs in its
+own session, so a terminal's Ctrl-C goes to the front-end alone, which drains its connections and
+then stops the core(s) with SIGTERM (SIGKILL after a timeout). The front-end detects a dead core
+by polling the processes (``Popen.poll``) whenever its output socket is quiet and, with several
+cores, every 0.2 s while it is busy (another core may keep it busy), and fails the pending
+requests with ``EngineDeadError``: one dead core is a dead engine (the front-end stops the rest).
 """
 
 from __future__ import annotations
@@ -102,6 +110,7 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 class Ready(msgspec.Struct, tag="ready", array_like=True):
     model_info: ModelInfo
     pid: int
+    dp_rank: int = 0
 
 
 class Outputs(msgspec.Struct, tag="outputs", array_like=True):
@@ -123,6 +132,7 @@ class RequestFailed(msgspec.Struct, tag="failed", array_like=True):
 
 class CoreFailed(msgspec.Struct, tag="dead", array_like=True):
     message: str
+    dp_rank: int = 0
 
 
 CoreMessage = Union[Ready, Outputs, UtilityResult, RequestFailed, CoreFailed]
@@ -181,18 +191,20 @@ _IDLE_WAIT_S = 0.5
 class EngineCoreProc:
     """Runs an EngineCore behind two sockets until told to stop or orphaned."""
 
-    def __init__(self, config, input_addr: str, output_addr: str, parent_pid: int) -> None:
+    def __init__(self, config, input_addr: str, output_addr: str, parent_pid: int, dp_rank: int = 0) -> None:
         self.config = config
         self.input_addr = input_addr
         self.output_addr = output_addr
         self.parent_pid = parent_pid
+        self.dp_rank = dp_rank
+        self.num_requests_added = 0  # reported by `stats`: shows which data-parallel core served what
         self.stop = threading.Event()
         self.in_q: queue.Queue = queue.Queue()
         self.out_q: queue.Queue = queue.Queue()
         self.ctx = zmq.Context()
         self.dealer = self.ctx.socket(zmq.DEALER)
         self.dealer.setsockopt(zmq.LINGER, 1000)
-        self.dealer.setsockopt(zmq.IDENTITY, f"core-{os.getpid()}".encode())
+        self.dealer.setsockopt(zmq.IDENTITY, f"core-{dp_rank}-{os.getpid()}".encode())
         self.dealer.connect(input_addr)
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.LINGER, 1000)
@@ -238,6 +250,7 @@ class EngineCoreProc:
         if isinstance(msg, AddRequest):
             try:
                 core.add_request(request_from_wire(msg))
+                self.num_requests_added += 1
             except PagedError as e:
                 self.out_q.put(RequestFailed(msg.request_id, str(e), invalid=isinstance(e, ValueError)))
             except Exception as e:  # a bad request must not take the core down
@@ -258,7 +271,8 @@ class EngineCoreProc:
         if method == "stats":
             stats = dataclasses.asdict(core.snapshot_stats())
             kv = core.kv_cache_manager
-            stats.update(num_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks, pid=os.getpid())
+            stats.update(num_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks, pid=os.getpid(),
+                         num_requests_added=self.num_requests_added)
             return stats
         if method == "reset_prefix_cache":
             return core.kv_cache_manager.reset_prefix_cache()
@@ -276,7 +290,7 @@ class EngineCoreProc:
             logger.error("core: start-up failed: %s", message)
             if not isinstance(e, PagedError):
                 traceback.print_exc()
-            self.dealer.send(self.encoder.encode(CoreFailed(message)))
+            self.dealer.send(self.encoder.encode(CoreFailed(message, self.dp_rank)))
             self.close()
             return 1
         if self.stop.is_set() or self._orphaned():
@@ -285,7 +299,7 @@ class EngineCoreProc:
             self.close()
             return 0
         # Handshake: READY only once the model and the KV cache are up.
-        self.dealer.send(self.encoder.encode(Ready(self.core.model_info, os.getpid())))
+        self.dealer.send(self.encoder.encode(Ready(self.core.model_info, os.getpid(), self.dp_rank)))
         threads = [
             threading.Thread(target=self._input_thread, name="core-input", daemon=True),
             threading.Thread(target=self._output_thread, name="core-output", daemon=True),
@@ -297,7 +311,7 @@ class EngineCoreProc:
             self._busy_loop()
         except Exception as e:
             logger.exception("core: fatal error in the engine loop")
-            self.out_q.put(CoreFailed(f"{type(e).__name__}: {e}"))
+            self.out_q.put(CoreFailed(f"{type(e).__name__}: {e}", self.dp_rank))
             code = 1
         self.stop.set()
         self.out_q.put(None)
@@ -356,13 +370,16 @@ def core_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--dp-rank", type=int, default=None, help="data-parallel rank (only when there are several)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s (core): %(message)s", stream=sys.stderr)
+    label = "core" if args.dp_rank is None else f"core {args.dp_rank}"
+    logging.basicConfig(level=args.log_level, format=f"%(levelname)s %(name)s ({label}): %(message)s",
+                        stream=sys.stderr)
     from paged.core.config import EngineConfig
 
     data = json.loads(sys.stdin.read())
     config = EngineConfig(**data)
-    proc = EngineCoreProc(config, args.input, args.output, args.parent_pid)
+    proc = EngineCoreProc(config, args.input, args.output, args.parent_pid, args.dp_rank or 0)
 
     def _stop(signum, frame):  # noqa: ARG001
         proc.stop.set()
@@ -374,13 +391,20 @@ def core_main(argv: list[str] | None = None) -> int:
 
 # --- the front-end's client ----------------------------------------------------------------------
 class EngineCoreClient:
-    """Starts the core process, does the READY handshake and owns the two front-end sockets
-    (zmq.asyncio: use ``send``/``recv`` from one event loop)."""
+    """Starts the core process(es), does the READY handshake and owns the two front-end sockets
+    (zmq.asyncio: use ``send``/``recv`` from one event loop).
+
+    With ``parallel.data_parallel_size`` N > 1 it starts N cores (ranks 0..N-1) and returns once
+    all N are ready; ``procs``, ``pids``, ``identities`` and ``model_infos`` are indexed by rank.
+    ``model_info`` is rank 0's with the smallest ``num_blocks`` and ``max_model_len`` of all, so a
+    request the front-end accepts fits whichever core it goes to. The engine is alive while every
+    core is: one dead core is a dead engine."""
 
     def __init__(self, config, start_timeout: float = 600.0, log_level: str | None = None,
                  cancel: threading.Event | None = None) -> None:
         import zmq.asyncio
 
+        self.num_cores = config.parallel.data_parallel_size
         self.tmpdir = tempfile.mkdtemp(prefix="paged-")
         self.input_addr = f"ipc://{self.tmpdir}/input"
         self.output_addr = f"ipc://{self.tmpdir}/output"
@@ -394,12 +418,15 @@ class EngineCoreClient:
         self.pull.bind(self.output_addr)
         self.encoder = make_encoder()
         self.decoder = message_decoder()
-        self.identity: bytes | None = None
+        self.procs: list[subprocess.Popen] = []
+        self.identities: list[bytes | None] = [None] * self.num_cores
+        self.model_infos: list[ModelInfo | None] = [None] * self.num_cores
+        self.pids: list[int | None] = [None] * self.num_cores
         self.model_info: ModelInfo | None = None
-        self.pid: int | None = None
         self._closed = False
         data = config.model_dump(mode="json")
         data["server"]["api_key"] = None  # the core has no use for it; keep it out of its process
+        payload = json.dumps(data).encode()
         level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
         cmd = [sys.executable, "-m", "paged.core.engine_core_proc", "--input", self.input_addr,
                "--output", self.output_addr, "--parent-pid", str(os.getpid()), "--log-level", str(level)]
@@ -407,81 +434,130 @@ class EngineCoreClient:
         env = {k: v for k, v in env.items() if not k.startswith("PAGED_")}  # the JSON is the whole config
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         try:
-            # Its own session: a terminal's Ctrl-C reaches the front-end only, which drains and then
-            # stops the core (SIGTERM); if the front-end dies instead, the core notices the orphaning.
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env, start_new_session=True)
-            self.proc.stdin.write(json.dumps(data).encode())
-            self.proc.stdin.close()
+            for rank in range(self.num_cores):
+                rank_args = ["--dp-rank", str(rank)] if self.num_cores > 1 else []
+                # Its own session: a terminal's Ctrl-C reaches the front-end only, which drains and
+                # then stops the core (SIGTERM); if the front-end dies instead, the core notices the
+                # orphaning.
+                proc = subprocess.Popen(cmd + rank_args, stdin=subprocess.PIPE, env=env, start_new_session=True)
+                self.procs.append(proc)
+                proc.stdin.write(payload)
+                proc.stdin.close()
             self._handshake(start_timeout, cancel)
         except BaseException:
             self.close()
             raise
 
+    def _which(self, rank: int) -> str:
+        """' (data-parallel rank R)' when there are several cores, else ''."""
+        return f" (data-parallel rank {rank})" if self.num_cores > 1 else ""
+
     def _handshake(self, timeout: float, cancel: threading.Event | None) -> None:
         sync = zmq.Socket.shadow(self.router.underlying)
         deadline = time.monotonic() + timeout
-        while True:
+        waiting = set(range(self.num_cores))
+        while waiting:
             if sync.poll(100):
                 identity, payload = sync.recv_multipart()
                 msg = self.decoder.decode(payload)
                 if isinstance(msg, CoreFailed):
-                    self.proc.wait(30)
-                    raise EngineDeadError(f"the engine core failed to start: {msg.message}")
+                    if 0 <= msg.dp_rank < self.num_cores:
+                        self.procs[msg.dp_rank].wait(30)
+                    raise EngineDeadError(f"the engine core{self._which(msg.dp_rank)} failed to start: {msg.message}")
                 if not isinstance(msg, Ready):
                     raise EngineDeadError(f"engine core handshake: expected READY, got {type(msg).__name__}")
-                self.identity, self.model_info, self.pid = identity, msg.model_info, msg.pid
-                return
-            code = self.proc.poll()
-            if code is not None:
-                raise EngineDeadError(f"the engine core process exited with code {code} during start-up "
-                                      f"(see its log above)")
+                if msg.dp_rank not in waiting:
+                    raise EngineDeadError(f"engine core handshake: unexpected READY from rank {msg.dp_rank}")
+                waiting.discard(msg.dp_rank)
+                self.identities[msg.dp_rank] = identity
+                self.model_infos[msg.dp_rank] = msg.model_info
+                self.pids[msg.dp_rank] = msg.pid
+                continue
+            for rank, proc in enumerate(self.procs):
+                code = proc.poll()
+                if code is not None:
+                    raise EngineDeadError(f"the engine core process{self._which(rank)} exited with code {code} "
+                                          f"during start-up (see its log above)")
             if time.monotonic() > deadline:
-                raise EngineDeadError(f"the engine core did not become ready within {timeout:.0f} s")
+                raise EngineDeadError(f"the engine core{'s' if self.num_cores > 1 else ''} did not become ready "
+                                      f"within {timeout:.0f} s")
             if cancel is not None and cancel.is_set():
                 raise EngineDeadError("engine start-up cancelled")
+        infos = self.model_infos
+        self.model_info = dataclasses.replace(
+            infos[0], num_blocks=min(i.num_blocks for i in infos), max_model_len=min(i.max_model_len for i in infos)
+        )
+
+    # Rank 0's process, pid and identity: all there is with one core.
+    @property
+    def proc(self) -> subprocess.Popen:
+        return self.procs[0]
+
+    @property
+    def pid(self) -> int | None:
+        return self.pids[0]
+
+    @property
+    def identity(self) -> bytes | None:
+        return self.identities[0]
 
     @property
     def alive(self) -> bool:
-        return not self._closed and self.proc.poll() is None
+        return not self._closed and all(proc.poll() is None for proc in self.procs)
 
-    async def send(self, msg) -> None:
+    async def send(self, msg, core: int = 0) -> None:
+        """Send to the core of rank ``core``."""
         if not self.alive:
             raise EngineDeadError(self.death_message())
         try:
-            await self.router.send_multipart([self.identity, self.encoder.encode(msg)])
+            await self.router.send_multipart([self.identities[core], self.encoder.encode(msg)])
         except zmq.ZMQError as e:
-            raise EngineDeadError(f"cannot reach the engine core: {e}") from None
+            raise EngineDeadError(f"cannot reach the engine core{self._which(core)}: {e}") from None
 
-    def send_nowait(self, msg) -> None:
+    def send_nowait(self, msg, core: int = 0) -> None:
         """Fire-and-forget (aborts from a finally block); a dead core is ignored."""
         if not self.alive:
             return
         try:
-            fut = self.router.send_multipart([self.identity, self.encoder.encode(msg)])
+            fut = self.router.send_multipart([self.identities[core], self.encoder.encode(msg)])
             fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         except zmq.ZMQError:
             pass
 
     def death_message(self) -> str:
-        code = self.proc.poll()
         if self._closed:
             return "the engine is shut down"
-        if code is None:
-            return "the engine core is not responding"
-        if code == 0:
-            return f"the engine core process (pid {self.proc.pid}) has exited"
-        return f"the engine core process (pid {self.proc.pid}) died (exit code {code})"
+        for rank, proc in enumerate(self.procs):
+            code = proc.poll()
+            if code is None:
+                continue
+            where = f"pid {proc.pid}" if self.num_cores == 1 else f"pid {proc.pid}, data-parallel rank {rank}"
+            if code == 0:
+                return f"the engine core process ({where}) has exited"
+            return f"the engine core process ({where}) died (exit code {code})"
+        return "the engine core is not responding"
+
+    def terminate(self) -> None:
+        """SIGTERM every core still running, without waiting; the sockets stay open (``close``
+        reaps the processes later). For the survivors of a dead core: the engine is dead, and they
+        would only finish requests nobody waits for."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the core (SIGTERM, then SIGKILL) and close the sockets; idempotent."""
+        """Stop the cores (SIGTERM to all, then SIGKILL to what is left) and close the sockets;
+        idempotent."""
         if self._closed:
             return
         self._closed = True
-        proc = getattr(self, "proc", None)
-        if proc is not None and proc.poll() is None:
+        running = [proc for proc in getattr(self, "procs", []) if proc.poll() is None]
+        for proc in running:
             proc.terminate()
+        deadline = time.monotonic() + timeout
+        for proc in running:
             try:
-                proc.wait(timeout)
+                proc.wait(max(deadline - time.monotonic(), 0.01))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)

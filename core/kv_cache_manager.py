@@ -19,6 +19,19 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def extend_block_hashes(hashes: list[bytes], token_ids: list[int], block_size: int,
+                        cache_salt: str | None = None) -> list[bytes]:
+    """Extend ``hashes`` (the chained hashes of the first ``len(hashes)`` full blocks of
+    ``token_ids``) to every full block, and return it. The one definition of a prefix-cache key:
+    block i's hash chains block i-1's; the cache salt goes into block 0's only. The data-parallel
+    router (paged.core.dp_router) uses it too, so that its keys are the cores' keys."""
+    for i in range(len(hashes), len(token_ids) // block_size):
+        parent = hashes[i - 1] if i else None
+        extra = (cache_salt,) if i == 0 and cache_salt else ()
+        hashes.append(hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], extra))
+    return hashes
+
+
 @dataclass
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up at admission
@@ -58,15 +71,8 @@ class KVCacheManager:
 
     def update_block_hashes(self, request: Request) -> None:
         """Extend ``request.block_hashes`` to every full block of its known tokens."""
-        if not self.enable_caching:
-            return
-        hashes = request.block_hashes
-        tokens = request.all_token_ids
-        bs = self.block_size
-        for i in range(len(hashes), len(tokens) // bs):
-            parent = hashes[i - 1] if i else None
-            extra = (request.cache_salt,) if i == 0 and request.cache_salt else ()
-            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra))
+        if self.enable_caching:
+            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt)
 
     def get_computed_blocks(self, request: Request, record_stats: bool = True) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of a waiting request: (blocks, number of tokens).

@@ -5,6 +5,12 @@ events or not), ``GET /v1/models``, ``GET /health`` (503 until the engine core i
 whenever it is dead), ``GET /metrics`` (Prometheus text), ``GET /version`` and
 ``GET /debug/engine`` (core pid, KV blocks free / total, running / waiting requests).
 
+With ``--data-parallel-size N`` the engine is N core processes behind this one front-end (see
+``paged.core.async_llm``): /health is 200 only while all N run, the core metrics and
+/debug/engine's ``core`` are combined over the cores (``paged.core.dp_stats``), and /debug/engine's
+``cores`` lists each core's own stats plus the front-end's load on it; /metrics adds per-core
+gauges labelled ``dp_rank`` when N > 1.
+
 Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}`` with 400 for an
 invalid request (paged's InvalidRequestError messages, which name the field), 401 for a missing
 or wrong API key (``server.api_key``; only /v1/* is protected), 404 for an unknown model and 503
@@ -196,6 +202,7 @@ class Metrics(StatsObserver):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.core_stats: dict[str, Any] | None = None
+        self.per_core_stats: list[dict[str, Any]] | None = None  # only with several cores
         self.core_alive = False
         self._prompt = Counter("paged:prompt_tokens", "Prompt tokens processed (per sample)", registry=r)
         self._generation = Counter("paged:generation_tokens", "Tokens generated", registry=r)
@@ -253,11 +260,20 @@ _CORE_METRICS = [
 ]
 
 
+# With several data-parallel cores, also per core (label dp_rank); the families above are the sums.
+_PER_CORE_METRICS = [
+    ("paged:core_num_requests_running", "gauge", "Requests (samples) running in this core", "num_running"),
+    ("paged:core_num_requests_waiting", "gauge", "Requests (samples) waiting in this core", "num_waiting"),
+    ("paged:core_kv_cache_usage_perc", "gauge", "Fraction of this core's KV blocks in use (0..1)", "kv_usage"),
+    ("paged:core_requests_added", "counter", "Requests (samples) sent to this core", "num_requests_added"),
+]
+
+
 class _CoreCollector:
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
 
-    def _families(self, stats: dict[str, Any] | None):
+    def _families(self, stats: dict[str, Any] | None, per_core: list[dict[str, Any]] | None):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         yield GaugeMetricFamily("paged:engine_core_alive", "1 while the engine core process runs",
@@ -268,12 +284,21 @@ class _CoreCollector:
             if stats is not None and key in stats:
                 family.add_metric([], float(stats[key]))
             yield family
+        if per_core is None:
+            return
+        for name, kind, help_text, key in _PER_CORE_METRICS:
+            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            family = cls(name, help_text, labels=["dp_rank"])
+            for rank, core_stats in enumerate(per_core):
+                if key in core_stats:
+                    family.add_metric([str(rank)], float(core_stats[key]))
+            yield family
 
     def describe(self):
-        return list(self._families(None))
+        return list(self._families(None, None))
 
     def collect(self):
-        return list(self._families(self.metrics.core_stats))
+        return list(self._families(self.metrics.core_stats, self.metrics.per_core_stats))
 
 
 # --- output formatting -------------------------------------------------------------------------
@@ -529,11 +554,16 @@ def build_app(config: EngineConfig, start_timeout: float = 600.0, record_trace: 
         info: dict[str, Any] = {"ready": llm is not None, "alive": llm is not None and llm.is_alive,
                                 "core_pid": llm.core_pid if llm else None, "error": state.start_error}
         if llm is not None:
+            info["data_parallel_size"] = llm.num_cores
+            info["core_pids"] = llm.core_pids
             info["front_end_unfinished_requests"] = llm.num_unfinished_requests
             info["model"] = {"name": state.served_model_name, **msgspec.structs.asdict(_ModelInfoView.of(llm))}
             if llm.is_alive:
                 with suppress(Exception):
                     info["core"] = await llm.get_stats(timeout=5.0)
+                    loads = llm.core_loads()
+                    info["cores"] = [{"dp_rank": rank, "front_end_load": loads[rank], **stats}
+                                     for rank, stats in enumerate(llm.last_core_stats)]
         return info
 
     @app.get("/metrics")
@@ -545,6 +575,7 @@ def build_app(config: EngineConfig, start_timeout: float = 600.0, record_trace: 
         if state.metrics.core_alive:
             with suppress(Exception):
                 state.metrics.core_stats = await llm.get_stats(timeout=5.0)
+                state.metrics.per_core_stats = llm.last_core_stats if llm.num_cores > 1 else None
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

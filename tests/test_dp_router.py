@@ -1,0 +1,183 @@
+"""The data-parallel routing policy (paged.core.dp_router) and the combination of the cores' stats
+(paged.core.dp_stats), on hand-built cases: no model, no process."""
+
+import pytest
+
+from paged.core.block_pool import hash_block_tokens
+from paged.core.dp_router import DEFAULT_SLACK, DataParallelRouter
+from paged.core.dp_stats import combine_core_stats
+from paged.core.kv_cache_manager import KVCacheManager, extend_block_hashes
+from paged.core.request import Request
+
+BS = 4  # block size
+
+
+def prompt(prefix: int, num_blocks: int, tail: int = 0, tail_seed: int = 0) -> list[int]:
+    """``num_blocks`` full blocks of a prefix family ``prefix``, then ``tail`` distinct tokens."""
+    return [1000 * prefix + i for i in range(num_blocks * BS)] + [50_000 + tail_seed * 100 + i for i in range(tail)]
+
+
+def router(num_cores: int = 2, **kw) -> DataParallelRouter:
+    return DataParallelRouter(num_cores, BS, max_hashes=kw.pop("max_hashes", 1000), **kw)
+
+
+def test_router_keys_are_the_kv_cache_managers_keys():
+    tokens = list(range(3 * BS + 2))
+    request = Request("r", tokens, cache_salt="salt")
+    KVCacheManager(8, BS).update_block_hashes(request)
+    assert extend_block_hashes([], tokens, BS, "salt") == request.block_hashes
+    assert len(request.block_hashes) == 3
+    assert request.block_hashes[0] == hash_block_tokens(None, tokens[:BS], ("salt",))
+    # Extending a prefix of the chain gives the same chain.
+    assert extend_block_hashes(request.block_hashes[:1], tokens, BS, "salt") == request.block_hashes
+
+
+def test_least_loaded_with_round_robin_ties():
+    r = router(3)
+    # Short prompts (no full block): pure load balancing; equal loads rotate.
+    assert [r.route(f"a{i}", [1, 2]) for i in range(3)] == [0, 1, 2]
+    assert r.loads == [1, 1, 1]
+    r.finish("a1")
+    assert r.route("b", [1, 2]) == 1  # the only least-loaded core
+    r.finish("a0")
+    r.finish("a2")
+    # Loads (0, 1, 0): the ties are 0 and 2; the rotation continues after the last pick (1).
+    assert r.route("c", [1, 2]) == 2
+    assert r.route("d", [1, 2]) == 0
+    assert r.loads == [1, 1, 1] and sum(r.loads) == len(r.core_of)
+
+
+def test_prefix_preference():
+    r = router(2)
+    assert r.route("a", prompt(1, 4, tail=2)) == 0
+    assert r.route("b", prompt(2, 4)) == 1  # unrelated: the least-loaded core
+    r.finish("a")
+    r.finish("b")
+    # With equal loads each request follows its prefix (the round robin alone would alternate).
+    for i in range(4):
+        assert r.route(f"a-{i}", prompt(1, 3, tail=3, tail_seed=i)) == 0
+        r.finish(f"a-{i}")
+        assert r.route(f"b-{i}", prompt(2, 5, tail_seed=i)) == 1
+        r.finish(f"b-{i}")
+    # The holder of a prefix need not be the least loaded: within the slack the prefix wins.
+    assert r.route("q", [7]) == 0
+    assert r.route("a-more", prompt(1, 4)) == 0 and r.loads == [2, 0]
+    r.finish("q")
+    r.finish("a-more")
+    # The longest known match wins; a core's match ends at the last block last sent to it.
+    hashes = extend_block_hashes([], prompt(3, 6), BS)
+    r.block_owner.update({h: 1 for h in hashes})
+    assert r.known_match(hashes) == {1: 6}
+    r.block_owner.update({h: 0 for h in hashes[:2]})
+    assert r.known_match(hashes) == {0: 2, 1: 6}
+    assert r.route("c", prompt(3, 6, tail=2)) == 1  # 6 known blocks beat 2
+    assert r.known_match(hashes) == {1: 6}  # c's blocks were last sent to core 1, all of them
+    del r.block_owner[hashes[3]]  # evicted: the chain breaks there for every core
+    assert r.known_match(hashes) == {1: 3}
+
+
+def test_cache_salt_separates_prefixes():
+    r = router(2)
+    assert r.route("a", prompt(1, 4), cache_salt="alice") == 0
+    # The same tokens under another salt share nothing: least loaded, core 1.
+    assert r.route("b", prompt(1, 4), cache_salt="bob") == 1
+    r.finish("a")
+    r.finish("b")
+    assert r.route("c", prompt(1, 4), cache_salt="bob") == 1
+
+
+def test_slack_overrides_preference():
+    r = router(2, slack=2)
+    assert r.route("p0", prompt(1, 4)) == 0
+    # Siblings of a long prefix stay on core 0 while its load is within min_load + slack ...
+    assert r.route("p1", prompt(1, 4)) == 0  # loads (1, 0): 1 <= 0 + 2
+    assert r.route("p2", prompt(1, 4)) == 0  # loads (2, 0): 2 <= 0 + 2
+    # ... and leave it when it is more than `slack` above the least-loaded core.
+    assert r.route("p3", prompt(1, 4)) == 1  # loads (3, 0): 3 > 0 + 2
+    assert r.loads == [3, 1]
+    # p3 made core 1 the last holder of the prefix; with loads (3, 1) core 1 is preferred.
+    assert r.route("p4", prompt(1, 4)) == 1
+    # Slack 0: the prefix only wins among the least loaded.
+    z = router(2, slack=0)
+    assert z.route("a", prompt(1, 4)) == 0
+    assert z.route("b", prompt(1, 4)) == 1
+    assert DEFAULT_SLACK == 2
+
+
+def test_no_prefix_affinity_when_the_cores_do_not_cache():
+    r = router(2, prefix_affinity=False)
+    assert [r.route(f"a{i}", prompt(1, 4)) for i in range(4)] == [0, 1, 0, 1]
+    assert not r.block_owner
+
+
+def test_lru_bound():
+    r = router(2, max_hashes=5)
+    r.route("a", prompt(1, 4))  # 4 hashes
+    r.finish("a")
+    r.route("b", prompt(2, 3))  # 3 more: 7 > 5, the 2 least recent go
+    assert len(r.block_owner) == 5
+    a = extend_block_hashes([], prompt(1, 4), BS)
+    b = extend_block_hashes([], prompt(2, 3), BS)
+    # Touched last block first, so family 1's tail was evicted and its head kept.
+    assert [h in r.block_owner for h in a] == [True, True, False, False]
+    assert all(h in r.block_owner for h in b)
+    assert r.known_match(a) == {0: 2}
+    # A long prompt never holds more than max_hashes entries.
+    r.route("c", prompt(3, 40))
+    assert len(r.block_owner) == 5
+    r.forget_prefixes()
+    assert not r.block_owner and r.loads == [1, 1]  # forgetting prefixes keeps the loads
+
+
+def test_abort_bookkeeping():
+    r = router(2)
+    cores = {rid: r.route(rid, [1, 2, 3]) for rid in ["x#0", "x#1", "y", "z"]}
+    assert cores == {"x#0": 0, "x#1": 1, "y": 0, "z": 1}
+    # An abort is grouped by the core that holds each request; unknown ids are left out.
+    assert r.group_by_core(["x#0", "x#1", "nope"]) == {0: ["x#0"], 1: ["x#1"]}
+    assert r.finish("x#0") == 0
+    assert r.finish("x#0") is None  # finishing twice (finished, then aborted) changes nothing
+    assert r.group_by_core(["x#0", "x#1"]) == {1: ["x#1"]}
+    assert r.loads == [1, 2]
+    assert r.finish("x#1") == 1 and r.finish("y") == 0 and r.finish("z") == 1
+    assert r.loads == [0, 0] and not r.core_of
+    with pytest.raises(ValueError, match="already routed"):
+        r.route("a", [1])
+        r.route("a", [1])
+    r.reset()
+    assert r.loads == [0, 0] and not r.core_of and not r.block_owner
+
+
+def test_invalid_router_settings():
+    with pytest.raises(ValueError):
+        DataParallelRouter(0, BS, 10)
+    with pytest.raises(ValueError):
+        DataParallelRouter(2, BS, 0)
+    with pytest.raises(ValueError):
+        DataParallelRouter(2, BS, 10, slack=-1)
+
+
+# --- combining the cores' stats ----------------------------------------------------------------
+def core_stats(pid: int, blocks: int, free: int, running: int, peak: float, **kw) -> dict:
+    return {"num_steps": 10, "num_preemptions": 1, "peak_kv_usage": peak, "num_running": running,
+            "num_waiting": 2, "kv_usage": 1 - free / blocks, "prefix_cache_queries": 100,
+            "prefix_cache_hits": 40, "num_blocks": blocks, "num_free_blocks": free, "pid": pid,
+            "num_requests_added": 5, **kw}
+
+
+def test_combine_core_stats():
+    one = core_stats(11, 100, 75, 3, 0.5)
+    assert combine_core_stats([one]) == {**one, "pids": [11]}
+    two = combine_core_stats([one, core_stats(22, 300, 300, 0, 0.25)])
+    assert two["num_blocks"] == 400 and two["num_free_blocks"] == 375
+    assert two["kv_usage"] == pytest.approx(25 / 400)  # over all blocks, not the mean of 0.25 and 0
+    assert two["peak_kv_usage"] == 0.5
+    assert two["num_running"] == 3 and two["num_waiting"] == 4 and two["num_steps"] == 20
+    assert two["prefix_cache_queries"] == 200 and two["prefix_cache_hits"] == 80 and two["num_preemptions"] == 2
+    assert two["num_requests_added"] == 10
+    assert two["pid"] == 11 and two["pids"] == [11, 22]
+    # Values that are not numbers: kept when equal, else listed.
+    mixed = combine_core_stats([{"pid": 1, "device": "cpu", "name": "a"}, {"pid": 2, "device": "cpu", "name": "b"}])
+    assert mixed == {"pid": 1, "device": "cpu", "name": ["a", "b"], "pids": [1, 2]}
+    with pytest.raises(ValueError):
+        combine_core_stats([])
