@@ -356,6 +356,8 @@ class EngineCoreProc:
                 shutil.rmtree(d, ignore_errors=True)
 
     def close(self) -> None:
+        if self.core is not None:
+            self.core.shutdown()  # its tensor-parallel ranks, if any
         for sock in (self.dealer, self.push):
             try:
                 sock.close()
@@ -387,6 +389,31 @@ def core_main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     return proc.run()
+
+
+def _core_devices(config, dp_rank: int) -> dict[str, str]:
+    """With several engine cores on GPUs, core ``r`` sees only its own ``tensor_parallel_size``
+    GPUs (the ``r``-th slice of the visible ones), so every core's ranks start at ``cuda:0``."""
+    if config.parallel.data_parallel_size == 1 or config.device == "cpu":
+        return {}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            return {}
+        visible = ",".join(str(i) for i in range(torch.cuda.device_count()))
+    devices = [d for d in visible.split(",") if d.strip()]
+    tp = config.parallel.tensor_parallel_size
+    mine = devices[dp_rank * tp : (dp_rank + 1) * tp]
+    if len(mine) < tp:
+        from paged.core.errors import ConfigError
+
+        raise ConfigError(
+            f"parallel.data_parallel_size: {config.parallel.data_parallel_size} cores x tensor_parallel_size {tp} "
+            f"need {config.parallel.data_parallel_size * tp} GPUs; {len(devices)} are visible ({visible!r})"
+        )
+    return {"CUDA_VISIBLE_DEVICES": ",".join(mine)}
 
 
 # --- the front-end's client ----------------------------------------------------------------------
@@ -439,7 +466,8 @@ class EngineCoreClient:
                 # Its own session: a terminal's Ctrl-C reaches the front-end only, which drains and
                 # then stops the core (SIGTERM); if the front-end dies instead, the core notices the
                 # orphaning.
-                proc = subprocess.Popen(cmd + rank_args, stdin=subprocess.PIPE, env=env, start_new_session=True)
+                core_env = dict(env, **_core_devices(config, rank))
+                proc = subprocess.Popen(cmd + rank_args, stdin=subprocess.PIPE, env=core_env, start_new_session=True)
                 self.procs.append(proc)
                 proc.stdin.write(payload)
                 proc.stdin.close()

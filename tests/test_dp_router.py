@@ -181,3 +181,18 @@ def test_combine_core_stats():
     assert mixed == {"pid": 1, "device": "cpu", "name": ["a", "b"], "pids": [1, 2]}
     with pytest.raises(ValueError):
         combine_core_stats([])
+
+
+def test_each_gpu_core_sees_its_own_slice_of_the_gpus(monkeypatch):
+    from paged.core.config import load_config
+    from paged.core.engine_core_proc import _core_devices
+    from paged.core.errors import ConfigError
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    config = load_config(None, {"device": "cuda", "parallel": {"data_parallel_size": 2, "tensor_parallel_size": 2}})
+    assert [_core_devices(config, r) for r in range(2)] == [{"CUDA_VISIBLE_DEVICES": "4,5"},
+                                                             {"CUDA_VISIBLE_DEVICES": "6,7"}]
+    assert _core_devices(load_config(None, {"device": "cpu", "parallel": {"data_parallel_size": 2}}), 1) == {}
+    too_many = load_config(None, {"device": "cuda", "parallel": {"data_parallel_size": 3, "tensor_parallel_size": 2}})
+    with pytest.raises(ConfigError, match="data_parallel_size: 3 cores x tensor_parallel_size 2 need 6 GPUs; 4"):
+        _core_devices(too_many, 2)
