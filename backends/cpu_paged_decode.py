@@ -13,15 +13,24 @@ request (``b`` in ``0..B-1``)::
     block_table  [B, >= cdiv(seq_lens[b], block_size)] int32 (rows may be strided)
     seq_lens     [B] int32, >= 1: request b attends over its positions 0 .. seq_lens[b] - 1
 
-Design: one work item per (request, KV head), split over the threads with ``at::parallel_for``
-(so ``torch.set_num_threads`` applies). An item handles the ``G = H / Hkv`` query heads that share
-the KV head together, so each K/V row is loaded once for the whole group. It walks the positions
-``TILE`` at a time (a tile may span several blocks, so block size 1 costs nothing extra): the
-scores of the tile for all G heads, then one online-softmax update per head (running max and sum;
-the accumulator is rescaled once per tile, not once per key), then the tile's V rows are added to
-the fp32 accumulator. Only positions below ``seq_len`` are ever read, so padding entries of the
-block table and the stale tail of the last block (NaN in the tests) never enter the sums. Scores,
-softmax and accumulation are fp32 whatever the cache dtype; the output is rounded once at the end.
+Design. Work items are whole requests (or, when there are fewer than 2 per thread, (request, KV
+head) pairs, so that batch 1 still uses every core), handed to the threads dynamically (contexts
+are ragged). An item walks its positions ``TILE`` (64) at a time; a tile may span several blocks,
+so block size 1 costs nothing extra. Per tile and KV head, the ``G = H / Hkv`` query heads that
+share the KV head are processed one after the other while the tile's K/V rows are hot in L1 (a
+bf16/fp16 tile is widened to fp32 once, into per-thread scratch, not once per query head): the
+tile's scores and their max, one online-softmax update (running max and sum; the accumulator is
+rescaled once per tile, not once per key), then the tile's V rows weighted into the fp32
+accumulator. Reading every KV head of a tile together makes each block one contiguous run of
+memory, which the hardware prefetchers follow. Only positions below ``seq_len`` are ever read, so
+padding entries of the block table and the stale tail of the last block (NaN in the tests) never
+enter the sums. Scores, softmax and accumulation are fp32 whatever the cache dtype; the output is
+rounded once at the end. The inner loops use 16-lane GCC/Clang vector types (plain loops over a
+64-long head dim vectorized poorly: serial horizontal sums, spilled accumulators), and head dims
+64 and 128 are compile-time constants; any other head dim works through the generic instance.
+
+Threads: OpenMP with ``at::get_num_threads()`` threads (``torch.set_num_threads`` applies); the
+library links libgomp, which resolves to the copy torch has loaded, so there is one thread pool.
 
 Build: ``torch.utils.cpp_extension.load_inline`` with ``-O3 -march=native -fopenmp`` into the
 torch extensions directory (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``),
@@ -57,18 +66,18 @@ _SOURCE = r"""
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
-// Positions per online-softmax step: the rescale of the accumulator happens once per tile, and the
-// tile's G x TILE scores and its K/V rows (TILE x D per head) stay in L1/L2 between the passes.
+// Positions per online-softmax step: the accumulator is rescaled once per tile, and a KV head's
+// tile rows (TILE x D each for K and V) stay in L1/L2 while the G query heads of its group use them.
 constexpr int64_t TILE = 64;
 constexpr int W = 16;  // fp32 lanes of `vec`
 
 // A GCC/Clang vector extension: 16 fp32 lanes, lowered to whatever the CPU has (one AVX-512
-// register, two AVX2 ones, four NEON ones). Plain loops over D did not vectorize well enough
-// (short loops: the serial horizontal sums and FMA chains dominated).
+// register, two AVX2 ones, four NEON ones).
 typedef float vec __attribute__((vector_size(64)));
 
 template <typename T>
@@ -98,17 +107,18 @@ inline vec load<c10::BFloat16>(const c10::BFloat16* p) {  // bf16 bits are the t
 }
 
 inline float hsum(vec a) {  // halving tree, not a serial chain of 16 adds
+#if defined(__clang__) || __GNUC__ >= 12
   typedef float v8 __attribute__((vector_size(32)));
   typedef float v4 __attribute__((vector_size(16)));
-  v8 lo, hi;
-  std::memcpy(&lo, &a, sizeof lo);
-  std::memcpy(&hi, reinterpret_cast<const char*>(&a) + sizeof lo, sizeof hi);
-  const v8 b = lo + hi;
-  v4 c0, c1;
-  std::memcpy(&c0, &b, sizeof c0);
-  std::memcpy(&c1, reinterpret_cast<const char*>(&b) + sizeof c0, sizeof c1);
-  const v4 c = c0 + c1;
+  const v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
   return (c[0] + c[2]) + (c[1] + c[3]);
+#else
+  float sum = 0.f;
+  for (int i = 0; i < W; ++i) sum += a[i];
+  return sum;
+#endif
 }
 
 // exp(x) for x <= 0 (softmax weights), written so that the loop over a tile vectorizes (libm's
@@ -132,8 +142,8 @@ inline float exp_nonpositive(float x) {
 
 // acc[0 : NV*16] = alpha * acc + sum_t p[t] * V_row_t, NV vectors kept in registers while the
 // tile's rows stream by: NV independent FMA chains (one chain would wait on its own latency).
-template <int NV, typename T>
-inline void accumulate_rows(float* acc, float alpha, const float* p, const T* v, const int64_t* rows, int64_t n) {
+template <int NV>
+inline void accumulate_rows(float* acc, float alpha, const float* p, const float* v, const int64_t* rows, int64_t n) {
   vec a[NV];
   for (int i = 0; i < NV; ++i) a[i] = load(acc + W * i) * alpha;
   for (int64_t t = 0; t < n; ++t)
@@ -141,11 +151,14 @@ inline void accumulate_rows(float* acc, float alpha, const float* p, const T* v,
   for (int i = 0; i < NV; ++i) std::memcpy(acc + W * i, &a[i], sizeof(vec));
 }
 
-template <typename T>
+// HEAD_DIM > 0: the head dim as a compile-time constant (64, 128), so that the loops over it are
+// unrolled and their accumulators stay in registers; 0: any head dim, read at run time.
+template <typename T, int64_t HEAD_DIM>
 void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
                        const at::Tensor& out) {
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  constexpr bool is_fp32 = std::is_same<T, float>::value;
+  const int64_t B = q.size(0), H = q.size(1), D = HEAD_DIM > 0 ? HEAD_DIM : q.size(2);
   const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2), G = H / Hkv;
   const int64_t row = Hkv * D;  // elements per cached position
   const int64_t DV = D / W * W;  // head dims covered by whole vectors; the rest (D % 16) is scalar
@@ -158,21 +171,31 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   const int64_t q_s0 = q.stride(0), q_s1 = q.stride(1), o_s0 = out.stride(0), o_s1 = out.stride(1);
   const int64_t bt_s0 = block_table.stride(0);
   const float fscale = static_cast<float>(scale);
-  const int64_t items = B * Hkv;
+  // Work items: whole requests when there are enough of them, so that a tile's K/V rows of every
+  // KV head are read together (a block is then one contiguous run, which the hardware
+  // prefetchers follow), else (request, KV head) pairs so that a small batch still keeps every
+  // thread busy.
+  const int64_t heads_per_item = B >= 2 * at::get_num_threads() ? Hkv : 1;
+  const int64_t items_per_req = Hkv / heads_per_item, QH = heads_per_item * G;  // query heads per item
+  const int64_t items = B * items_per_req;
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)));
 
   // Dynamic scheduling, not at::parallel_for's static halves: contexts are ragged (and a core
   // may be busy elsewhere), so a fixed split leaves a thread idle at the end.
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> qf(G * D), acc(G * D), s(G * TILE), m(G), l(G);  // per-thread scratch
-    std::vector<int64_t> rows(TILE);
+    // per-thread scratch; k/v_stage: a KV head's tile rows widened to fp32 (bf16/fp16 caches)
+    std::vector<float> qf(QH * D), acc(QH * D), s(TILE), m(QH), l(QH);
+    std::vector<float> k_stage(is_fp32 ? 0 : TILE * D), v_stage(is_fp32 ? 0 : TILE * D);
+    std::vector<int64_t> rows(TILE), stage_rows(TILE);
+    for (int64_t t = 0; t < TILE; ++t) stage_rows[t] = t * D;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
-      const int64_t b = item / Hkv, h = item % Hkv, len = lens[b];
-      for (int64_t g = 0; g < G; ++g) {  // the group's queries in fp32, scale folded in
-        const T* src = qp + b * q_s0 + (h * G + g) * q_s1;
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(src[d]) * fscale;
+      // query heads h0 * G + i, i < QH; query head i uses KV head h0 + i / G
+      const int64_t b = item / items_per_req, h0 = item % items_per_req * heads_per_item, len = lens[b];
+      for (int64_t i = 0; i < QH; ++i) {  // the queries in fp32, scale folded in
+        const T* src = qp + b * q_s0 + (h0 * G + i) * q_s1;
+        for (int64_t d = 0; d < D; ++d) qf[i * D + d] = static_cast<float>(src[d]) * fscale;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
@@ -181,50 +204,75 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
         const int64_t n = std::min(TILE, len - start);
         for (int64_t t = 0; t < n; ++t) {  // cache row of each position, through the block table
           const int64_t j = start + t;
-          rows[t] = ((int64_t)bt[b * bt_s0 + j / block_size] * block_size + j % block_size) * row + h * D;
+          rows[t] = ((int64_t)bt[b * bt_s0 + j / block_size] * block_size + j % block_size) * row;
         }
-        for (int64_t g = 0; g < G; ++g) {
-          // scores of the tile (the K rows are read from memory for the first head of the
-          // group, from cache for the others) and their max
-          const float* qg = qf.data() + g * D;
-          float* sg = s.data() + g * TILE;
+        const float *kf = nullptr, *vf = nullptr;  // the current KV head's rows, fp32: kf + off[t]
+        const int64_t* off = nullptr;
+        for (int64_t i = 0; i < QH; ++i) {
+          if (i % G == 0) {  // the next KV head
+            const int64_t kv = (h0 + i / G) * D;
+            if constexpr (is_fp32) {  // read in place
+              kf = reinterpret_cast<const float*>(kp) + kv;
+              vf = reinterpret_cast<const float*>(vp) + kv;
+              off = rows.data();
+            } else {  // widened once here rather than once per query head of the group
+              for (int64_t t = 0; t < n; ++t) {
+                const T* k = kp + rows[t] + kv;
+                const T* v = vp + rows[t] + kv;
+                for (int64_t d = 0; d < DV; d += W) {
+                  const vec kd = load(k + d), vd = load(v + d);
+                  std::memcpy(&k_stage[t * D + d], &kd, sizeof(vec));
+                  std::memcpy(&v_stage[t * D + d], &vd, sizeof(vec));
+                }
+                for (int64_t d = DV; d < D; ++d) {
+                  k_stage[t * D + d] = static_cast<float>(k[d]);
+                  v_stage[t * D + d] = static_cast<float>(v[d]);
+                }
+              }
+              kf = k_stage.data();
+              vf = v_stage.data();
+              off = stage_rows.data();
+            }
+          }
+          // scores of the tile and their max (the group's later heads find the rows in L1)
+          const float* qi = qf.data() + i * D;
           float tile_max = -std::numeric_limits<float>::infinity();
           for (int64_t t = 0; t < n; ++t) {
-            const T* k = kp + rows[t];
+            const float* k = kf + off[t];
             vec a = {};
-            for (int64_t d = 0; d < DV; d += W) a += load(qg + d) * load(k + d);
+            for (int64_t d = 0; d < DV; d += W) a += load(qi + d) * load(k + d);
             float dot = hsum(a);
-            for (int64_t d = DV; d < D; ++d) dot += qg[d] * static_cast<float>(k[d]);
-            sg[t] = dot;
+            for (int64_t d = DV; d < D; ++d) dot += qi[d] * k[d];
+            s[t] = dot;
             tile_max = std::max(tile_max, dot);
           }
           // online softmax: new running max, weights, rescale of what was accumulated so far
-          const float m_new = std::max(m[g], tile_max);
-          const float alpha = std::exp(m[g] - m_new);  // 0 on the first tile (m = -inf)
+          const float m_new = std::max(m[i], tile_max);
+          const float alpha = std::exp(m[i] - m_new);  // 0 on the first tile (m = -inf)
           float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
           for (int64_t t = 0; t < n; ++t) {
-            sg[t] = exp_nonpositive(sg[t] - m_new);
-            sum += sg[t];
+            s[t] = exp_nonpositive(s[t] - m_new);
+            sum += s[t];
           }
-          l[g] = l[g] * alpha + sum;
-          m[g] = m_new;
+          l[i] = l[i] * alpha + sum;
+          m[i] = m_new;
           // weighted V rows into the fp32 accumulator, 4 vectors (64 dims) at a time
-          float* ag = acc.data() + g * D;
+          float* ai = acc.data() + i * D;
           int64_t d = 0;
-          for (; d + 4 * W <= DV; d += 4 * W) accumulate_rows<4>(ag + d, alpha, sg, vp + d, rows.data(), n);
-          for (; d < DV; d += W) accumulate_rows<1>(ag + d, alpha, sg, vp + d, rows.data(), n);
+          for (; d + 4 * W <= DV; d += 4 * W) accumulate_rows<4>(ai + d, alpha, s.data(), vf + d, off, n);
+          for (; d < DV; d += W) accumulate_rows<1>(ai + d, alpha, s.data(), vf + d, off, n);
           for (; d < D; ++d) {
-            float a = ag[d] * alpha;
-            for (int64_t t = 0; t < n; ++t) a += sg[t] * static_cast<float>(vp[rows[t] + d]);
-            ag[d] = a;
+            float a = ai[d] * alpha;
+            for (int64_t t = 0; t < n; ++t) a += s[t] * vf[off[t] + d];
+            ai[d] = a;
           }
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;  // len 0 (never for a decode): zeros
-        T* dst = op + b * o_s0 + (h * G + g) * o_s1;
-        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[g * D + d] * inv);
+      for (int64_t i = 0; i < QH; ++i) {
+        const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;  // len 0 (never for a decode): zeros
+        T* dst = op + b * o_s0 + (h0 * G + i) * o_s1;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[i * D + d] * inv);
       }
     }
   }
@@ -250,7 +298,11 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() && seq_lens.numel() >= q.size(0),
               "paged_decode: seq_lens [>= B] int32");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_decode", [&] {
-    paged_decode_impl<scalar_t>(q, k_cache, v_cache, block_table, seq_lens, scale, out);
+    switch (q.size(2)) {
+      case 64: return paged_decode_impl<scalar_t, 64>(q, k_cache, v_cache, block_table, seq_lens, scale, out);
+      case 128: return paged_decode_impl<scalar_t, 128>(q, k_cache, v_cache, block_table, seq_lens, scale, out);
+      default: return paged_decode_impl<scalar_t, 0>(q, k_cache, v_cache, block_table, seq_lens, scale, out);
+    }
   });
 }
 
@@ -262,7 +314,7 @@ TORCH_LIBRARY(paged_cpu, m) {
 }
 """
 
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-Wno-psabi"]  # psabi: notes on 64-byte vectors
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-Wno-psabi"]  # psabi: notes on 64-byte vectors
 
 
 def _build_name() -> str:

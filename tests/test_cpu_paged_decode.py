@@ -130,15 +130,19 @@ def test_strided_query_output_and_block_table(kernel):
     assert torch.isnan(out_big[0]).all()  # nothing outside the output view written
 
 
-def test_threads_do_not_change_the_result(kernel):
+def test_threads_and_work_split_do_not_change_the_result(kernel):
+    # 1 thread: one work item per request; 8 threads for 5 requests: one per (request, KV head).
+    # Each query head is computed the same way either way: equal bit for bit.
     case = make_case([33, 1, 90, 16, 7], num_kv_heads=3, group=3, head_dim=64, block_size=16, dtype=torch.float32)
     threads = torch.get_num_threads()
+    results = []
     try:
-        torch.set_num_threads(1)
-        one = check(kernel, *case)
+        for n in (1, 8):
+            torch.set_num_threads(n)
+            results.append(check(kernel, *case))
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(one, check(kernel, *case))  # each (request, head) is computed by one thread
+    assert torch.equal(results[0], results[1])
 
 
 def test_rejects_bad_inputs(kernel):
