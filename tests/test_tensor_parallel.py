@@ -154,7 +154,7 @@ def test_torchrun_two_launchers_over_loopback(tp1_generations, prompts_file, tmp
     _assert_same_generations(_requests(out0), tp1_generations)
 
 
-# ---- tiny random models: replicated KV heads, uneven splits, biases -----------------------------
+# ---- tiny random models: replicated KV heads, uneven splits, biases, 3 ranks ---------------------
 
 TINY = {
     # 4 query heads over 1 KV head: the KV head is replicated on both ranks; q/k/v biases;
@@ -192,8 +192,8 @@ def _tiny_model(name: str, tmp_path_factory, default_model_dir) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(TINY))
-def test_tiny_models_two_ranks_match_one(name, tmp_path_factory, default_model_dir):
+@pytest.mark.parametrize("name, tp", [("qwen2", 2), ("llama", 2), ("llama", 3)])
+def test_tiny_models_several_ranks_match_one(name, tp, tmp_path_factory, default_model_dir):
     from paged import LLM, SamplingParams
 
     model_dir = _tiny_model(name, tmp_path_factory, default_model_dir)
@@ -201,14 +201,14 @@ def test_tiny_models_two_ranks_match_one(name, tmp_path_factory, default_model_d
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
     settings = dict(device="cpu", block_size=4, max_num_batched_tokens=12, long_prefill_token_threshold=5)
     results = {}
-    for tp in (1, 2):
-        with LLM(str(model_dir), tensor_parallel_size=tp, **settings) as llm:
+    for size in (1, tp):
+        with LLM(str(model_dir), tensor_parallel_size=size, **settings) as llm:
             layout = llm.engine.core.runner.layout
             outputs = llm.generate(prompts, params, use_tqdm=False)
-        results[tp] = ([o.outputs[0].token_ids for o in outputs],
-                       [[lp.logprob for lp in o.outputs[0].logprobs] for o in outputs], layout)
+        results[size] = ([o.outputs[0].token_ids for o in outputs],
+                         [[lp.logprob for lp in o.outputs[0].logprobs] for o in outputs], layout)
     ids1, lps1, layout1 = results[1]
-    ids2, lps2, layout2 = results[2]
+    ids2, lps2, layout2 = results[tp]
     assert layout2.num_heads < layout1.num_heads  # rank 0 really held a share
     assert ids2 == ids1
     np.testing.assert_allclose(lps2, lps1, atol=1e-4)
