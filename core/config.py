@@ -39,6 +39,9 @@ class ModelConfig(_Section):
         "auto", description="weights and activations; auto = the checkpoint's dtype on GPU, float32 on CPU"
     )
     max_model_len: int | None = Field(None, gt=0, description="prompt + output limit (default: the model's)")
+    cpu_prepack_weights: bool = Field(
+        True, description="bfloat16 on a CPU: linear weights in oneDNN's packed layout (faster small-batch GEMMs)"
+    )
 
 
 class CacheConfig(_Section):

@@ -120,6 +120,10 @@ class ModelRunner:
         self.backend = plugins.attention.factory(self.layout, plugins.attention_options)
         t0 = time.perf_counter()
         self.model = build_model(self.model_dir, self.hf_config, model_spec.factory, self.backend, self.dtype, device)
+        if device.type == "cpu" and self.dtype == torch.bfloat16 and config.model.cpu_prepack_weights:
+            from paged.models.layers import prepack_cpu_linears
+
+            prepack_cpu_linears(self.model)
         self.load_time_s = time.perf_counter() - t0
         self.vocab_size = int(self.hf_config.vocab_size)
         self.sampler = Sampler(self.vocab_size, device) if self.tp.is_first else None

