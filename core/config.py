@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextvars
 import json
+import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,6 +160,16 @@ def format_validation_error(error: ValidationError, prefix: str = "") -> str:
             msg = "unknown setting"
         lines.append(f"{loc}: {msg}{shown}")
     return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def for_child_process(config: "EngineConfig") -> tuple[bytes, dict[str, str]]:
+    """What a process started with this config (an engine core, a tensor-parallel rank) gets:
+    the config as JSON for its stdin (without the API key, which it has no use for) and the
+    environment without ``PAGED_*`` (the JSON is the whole config; the variables would override it)."""
+    data = config.model_dump(mode="json")
+    data["server"]["api_key"] = None
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGED_")}
+    return json.dumps(data).encode(), env
 
 
 def load_config(config_file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> EngineConfig:

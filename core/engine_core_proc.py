@@ -53,6 +53,7 @@ from typing import Any, Union
 import msgspec
 import zmq
 
+from paged.core.config import for_child_process
 from paged.core.engine_core import EngineCoreOutput, ModelInfo
 from paged.core.errors import PagedError
 from paged.core.sampler import TokenLogprobs
@@ -451,14 +452,10 @@ class EngineCoreClient:
         self.pids: list[int | None] = [None] * self.num_cores
         self.model_info: ModelInfo | None = None
         self._closed = False
-        data = config.model_dump(mode="json")
-        data["server"]["api_key"] = None  # the core has no use for it; keep it out of its process
-        payload = json.dumps(data).encode()
+        payload, env = for_child_process(config)
         level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
         cmd = [sys.executable, "-m", "paged.core.engine_core_proc", "--input", self.input_addr,
                "--output", self.output_addr, "--parent-pid", str(os.getpid()), "--log-level", str(level)]
-        env = dict(os.environ)
-        env = {k: v for k, v in env.items() if not k.startswith("PAGED_")}  # the JSON is the whole config
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         try:
             for rank in range(self.num_cores):

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from paged.core.config import EngineConfig, resolve_plugins
+from paged.core.config import EngineConfig, for_child_process, resolve_plugins
 from paged.core.distributed import (
     TensorParallel,
     destroy_tensor_parallel,
@@ -133,12 +133,10 @@ def _spawn_rank(config: EngineConfig, rank: int, size: int, port: int) -> subpro
     cmd = [sys.executable, "-m", "paged.core.executor", "--rank", str(rank), "--world-size", str(size),
            "--master-addr", "127.0.0.1", "--master-port", str(port), "--parent-pid", str(os.getpid()),
            "--log-level", str(level)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGED_")}  # the JSON is the whole config
-    data = config.model_dump(mode="json")
-    data["server"]["api_key"] = None
+    payload, env = for_child_process(config)
     # Its own session: a terminal's Ctrl-C reaches rank 0, which then stops the others.
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env, start_new_session=True)
-    proc.stdin.write(json.dumps(data).encode())
+    proc.stdin.write(payload)
     proc.stdin.close()
     return proc
 
