@@ -61,6 +61,14 @@ def whole_parameters(name: str, module: nn.Module) -> dict[str, CheckpointSlice]
     return {f"{name}.{kind}": CheckpointSlice.whole(p) for kind, p in module.named_parameters(recurse=False)}
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, packed_weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T (+ b)``, through the oneDNN-packed copy of ``W`` when there is one
+    (``prepack_cpu_linears``)."""
+    if packed_weight is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
 class Linear(nn.Module):
     """``y = x W^T (+ b)`` with an uninitialised weight ``[out_features, in_features]``
     (replicated on every rank)."""
@@ -89,9 +97,7 @@ class Linear(nn.Module):
         return self._linear(x, self.bias)
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
-        return F.linear(x, self.weight, bias)
+        return linear(x, self.weight, self.packed_weight, bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -186,11 +192,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits ``[N, vocab]`` on rank 0; None on the other ranks."""
-        if self.packed_weight is not None:
-            local = torch.ops.mkldnn._linear_pointwise(hidden_states, self.packed_weight, None, "none", [], "")
-        else:
-            local = F.linear(hidden_states, self.weight)
-        logits = self.tp.gather_last_dim(local)
+        logits = self.tp.gather_last_dim(linear(hidden_states, self.weight, self.packed_weight, None))
         return None if logits is None else logits[:, : self.num_embeddings].float()
 
 
