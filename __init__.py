@@ -14,7 +14,7 @@ __all__ = ["LLM", "SamplingParams", "__version__"]
 def __getattr__(name: str):
     # LLM pulls in torch and the model code: import it only when asked for.
     if name == "LLM":
-        from paged.core.llm import LLM
+        from paged.core.frontend.llm import LLM
 
         return LLM
     raise AttributeError(name)

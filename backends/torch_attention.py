@@ -45,7 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from paged.backends import cpu_paged_decode
 from paged.core.attention import AttentionLayout, BatchInputs, default_allocate_kv_cache, write_kv_by_slot
-from paged.core.kv_cache_manager import cdiv
+from paged.core.engine.kv_cache_manager import cdiv
 
 
 class TorchAttentionOptions(BaseModel):

@@ -237,7 +237,7 @@ def run_case(case: Case, dtype_name: str, variants, device, seed=0):
     import torch
 
     from paged.core.attention import AttentionLayout
-    from paged.core.kv_cache_manager import cdiv
+    from paged.core.engine.kv_cache_manager import cdiv
 
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator().manual_seed(seed)
@@ -376,7 +376,7 @@ def resolve_e2e_model(args, workdir: Path) -> tuple[str, list[str], str]:
         prompts = synthetic_model(path, vocab=1000, hidden=64, layers=2, heads=2, kv_heads=1)
         return str(path), prompts, "random-weight tiny Llama + word-level tokenizer (CPU dry run)"
     try:
-        from paged.models.gguf import default_model_dir
+        from paged.core.loading.gguf import default_model_dir
 
         t0 = time.perf_counter()
         path = default_model_dir()
@@ -503,7 +503,7 @@ def decode_rate(model, backend, layout, batch_size, context, warmup, steps, devi
     import torch
 
     from paged.core.attention import BatchInputs
-    from paged.core.kv_cache_manager import cdiv
+    from paged.core.engine.kv_cache_manager import cdiv
 
     bs = layout.block_size
     total = context + warmup + steps + 1

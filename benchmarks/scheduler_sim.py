@@ -37,10 +37,10 @@ import statistics
 import sys
 import time
 
-from paged.core.kv_cache_manager import KVCacheManager, cdiv
-from paged.core.request import Request
+from paged.core.engine.kv_cache_manager import KVCacheManager, cdiv
+from paged.core.engine.request import Request
 from paged.core.sampling_params import SamplingParams
-from paged.core.scheduler import Scheduler
+from paged.core.engine.scheduler import Scheduler
 from paged.plugins.policies import FCFSPolicy, PriorityPolicy
 
 VOCAB = 32000

@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(PHASES[args.phase](args)))
         return
 
-    from paged.models.loader import load_hf_config, resolve_model_dir
+    from paged.core.loading.loader import load_hf_config, resolve_model_dir
 
     args.model_dir = str(resolve_model_dir(args.model))
     hf_config = load_hf_config(args.model_dir)

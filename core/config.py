@@ -251,7 +251,7 @@ def _validate_options(spec: Any, options: dict[str, Any], field_name: str) -> Ba
 def resolve_plugins(config: EngineConfig, registry=None, device: str = "cpu") -> ResolvedPlugins:
     """Check ``--policy`` and ``--attention`` against the loaded plugins and validate their
     options. ``attention=auto`` picks the available backend with the highest auto_priority."""
-    from paged.core.plugins import get_registry
+    from paged.core.registry import get_registry
 
     registry = registry or get_registry()
     policy = registry.policy(config.scheduler.policy)

@@ -1,6 +1,6 @@
 """The scheduling-policy contract.
 
-The scheduler (paged.core.scheduler) owns the mechanism: token budget, chunked prefill, block
+The scheduler (paged.core.engine.scheduler) owns the mechanism: token budget, chunked prefill, block
 allocation, preemption. A policy decides only
 
 - the *order*: ``sort_key(request)``, lower first. It is computed once when the request enters the
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence, runtime_checkable
 
-from paged.core.request import Request
+from paged.core.engine.request import Request
 
 
 @runtime_checkable

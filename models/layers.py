@@ -5,7 +5,7 @@ All modules take flattened tokens: ``[num_tokens, ...]`` with a 1-D ``positions`
 ``[batch, seq, ...]``. Parameters are created uninitialised on the target dtype and device
 (``load_weights`` fills every one of them, or fails) and never require grad.
 
-Tensor parallelism (``paged.core.distributed``): the layers read the current group when they
+Tensor parallelism (``paged.core.engine.distributed``): the layers read the current group when they
 are built and hold only their rank's share. Column-parallel layers (fused QKV, gate-up) keep a
 slice of the output rows, row-parallel layers (o_proj, down_proj) the matching input columns and
 sum their partial outputs with one all-reduce; the embedding and the LM head split the
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paged.core.distributed import HeadShard, get_tp, shard_heads, shard_range
+from paged.core.engine.distributed import HeadShard, get_tp, shard_heads, shard_range
 from paged.core.errors import ModelLoadError
 
 # ---- parameters without initialisation ------------------------------------------------------

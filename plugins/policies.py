@@ -6,7 +6,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from paged.core.hookspecs import PolicySpec, hookimpl
 from paged.core.policy import BasePolicy
-from paged.core.request import Request
+from paged.core.engine.request import Request
 
 
 class FCFSPolicy(BasePolicy):

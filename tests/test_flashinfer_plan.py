@@ -164,7 +164,7 @@ def test_availability_without_a_gpu(monkeypatch):
 def test_selecting_it_on_the_cpu_fails_naming_the_working_backends(monkeypatch):
     from paged.core.config import load_config, resolve_plugins
     from paged.core.errors import ConfigError
-    from paged.core.plugins import get_registry
+    from paged.core.registry import get_registry
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     spec = get_registry().attention_backend("flashinfer")

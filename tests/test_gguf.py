@@ -18,8 +18,8 @@ import torch
 from paged.backends.torch_attention import TorchAttentionBackend
 from paged.core.attention import AttentionLayout, BatchInputs
 from paged.core.errors import ModelLoadError
-from paged.models import gguf as paged_gguf
-from paged.models import loader
+from paged.core.loading import gguf as paged_gguf
+from paged.core.loading import loader
 from paged.models.llama import LlamaForCausalLM, attention_shape
 
 BLOCK_SIZE = 16

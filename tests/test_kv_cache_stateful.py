@@ -15,12 +15,12 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from paged.core.block_pool import hash_block_tokens
+from paged.core.engine.block_pool import hash_block_tokens
 from paged.core.errors import InvalidRequestError
-from paged.core.kv_cache_manager import KVCacheManager, cdiv
-from paged.core.request import Request, RequestStatus
+from paged.core.engine.kv_cache_manager import KVCacheManager, cdiv
+from paged.core.engine.request import Request, RequestStatus
 from paged.core.sampling_params import SamplingParams
-from paged.core.scheduler import Scheduler
+from paged.core.engine.scheduler import Scheduler
 from paged.plugins.policies import FCFSPolicy, PriorityOptions, PriorityPolicy
 
 ALPHABET = st.integers(0, 2)  # small, so prompts share prefixes

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from paged.core.cli import main as paged_main
+from paged.core.cli.main import main as paged_main
 from paged.core.config import load_config
 from paged.core.errors import ConfigError
 from paged.core.lab.calibrate import calibrate, validate
@@ -223,7 +223,7 @@ def test_policy_specs_and_options():
     with pytest.raises(ConfigError, match="Did you mean 'priority'"):
         PolicyRun.parse("priorty").build()
     # --policy-option applies to the --policy before it
-    from paged.core.cli import build_parser
+    from paged.core.cli.main import build_parser
 
     args = build_parser().parse_args(["lab", "replay", "t.jsonl", "--policy", "fcfs", "--policy", "priority",
                                       "--policy-option", "aging_s=2", "--policy", "priority:aging_s=9"])  # fmt: skip

@@ -1,7 +1,7 @@
 """Llama / Qwen2 over the paged cache against HF transformers, on tiny random-weight models.
 
 Each tiny model is saved with ``save_pretrained`` (one of them sharded, to go through the index),
-loaded by ``paged.models.loader`` and run with the torch attention backend on a paged cache whose
+loaded by ``paged.core.loading.loader`` and run with the torch attention backend on a paged cache whose
 blocks are deliberately out of order. The logits of a prefill and of several decode steps (greedy
 tokens fed back) must match HF's forward in fp32, and the greedy ids HF ``generate``.
 """
@@ -19,8 +19,8 @@ import transformers
 from paged.backends.torch_attention import TorchAttentionBackend
 from paged.core.attention import AttentionLayout, BatchInputs
 from paged.core.errors import ConfigError, ModelLoadError
-from paged.core.plugins import load_plugins
-from paged.models import loader
+from paged.core.registry import load_plugins
+from paged.core.loading import loader
 from paged.models.layers import RotaryEmbedding, compute_inv_freq
 from paged.models.llama import LlamaForCausalLM, attention_shape
 from paged.models.qwen2 import Qwen2ForCausalLM

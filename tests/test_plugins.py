@@ -13,7 +13,7 @@ import pytest
 
 from paged.core.config import load_config, resolve_plugins
 from paged.core.errors import ConfigError, PluginError
-from paged.core.plugins import get_registry, load_plugins
+from paged.core.registry import get_registry, load_plugins
 
 FIXTURE = Path(__file__).parent / "fixtures" / "paged-example-plugin"
 

@@ -1,4 +1,4 @@
-"""Tests of paged.core.sampler: greedy, seeds, filters (statistically), penalties, min_tokens, logprobs."""
+"""Tests of paged.core.engine.sampler: greedy, seeds, filters (statistically), penalties, min_tokens, logprobs."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from paged.core.request import Request
-from paged.core.sampler import Sampler, SamplerOutput, TokenLogprobs
+from paged.core.engine.request import Request
+from paged.core.engine.sampler import Sampler, SamplerOutput, TokenLogprobs
 from paged.core.sampling_params import SamplingParams
 
 EOS = 7
@@ -385,7 +385,7 @@ def test_logprob_rank_of_a_sampled_unlikely_token():
 def test_top_p_candidate_stages_match_a_full_sort():
     # Peaked rows are settled among the top 256 tokens, moderate ones among 4096, flat ones need the
     # full sort: all must keep exactly the set a float64 full sort keeps.
-    from paged.core.sampler import _top_p
+    from paged.core.engine.sampler import _top_p
 
     gen = torch.Generator().manual_seed(5)
     vocab = 20000
@@ -414,7 +414,7 @@ def test_top_p_candidate_stages_match_a_full_sort():
 def test_inverse_cdf_is_exact_for_tiny_probabilities():
     # One token with weight 1, then 8191 tokens of weight 1e-9 each: a float32 running sum near 1
     # cannot even see them; the two-level float64 sum must map u to the right one.
-    from paged.core.sampler import _inverse_cdf
+    from paged.core.engine.sampler import _inverse_cdf
 
     vocab = 8192
     w = torch.full((1, vocab), 1e-9, dtype=torch.float32)
@@ -431,7 +431,7 @@ def test_inverse_cdf_is_exact_for_tiny_probabilities():
 
 @pytest.mark.parametrize("vocab", [8, 1000, 5000, 49152])
 def test_inverse_cdf_never_picks_zero_weight_tokens(vocab):
-    from paged.core.sampler import _inverse_cdf
+    from paged.core.engine.sampler import _inverse_cdf
 
     gen = torch.Generator().manual_seed(vocab)
     w = torch.rand(64, vocab, generator=gen)

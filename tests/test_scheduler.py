@@ -9,10 +9,10 @@ import random
 import pytest
 
 from paged.core.errors import InvalidRequestError
-from paged.core.kv_cache_manager import KVCacheManager, cdiv
-from paged.core.request import Request, RequestStatus
+from paged.core.engine.kv_cache_manager import KVCacheManager, cdiv
+from paged.core.engine.request import Request, RequestStatus
 from paged.core.sampling_params import SamplingParams
-from paged.core.scheduler import Scheduler
+from paged.core.engine.scheduler import Scheduler
 from paged.plugins.policies import FCFSPolicy, PriorityOptions, PriorityPolicy
 
 TOKEN = 7  # a token that stops nothing

@@ -173,14 +173,14 @@ def model_name(client):
 
 # --- unit: the wire protocol -------------------------------------------------------------------
 def test_msgspec_messages_round_trip():
-    from paged.core.engine_core import EngineCoreOutput, ModelInfo
-    from paged.core.engine_core_proc import (
+    from paged.core.engine.engine_core import EngineCoreOutput, ModelInfo
+    from paged.core.ipc.engine_core_proc import (
         AbortRequests, CoreFailed, Outputs, Ready, RequestFailed, UtilityCall, UtilityResult,
         make_encoder, message_decoder, output_from_wire, output_to_wire, request_decoder, request_from_wire,
         request_to_wire,
     )
-    from paged.core.request import Request
-    from paged.core.sampler import TokenLogprobs
+    from paged.core.engine.request import Request
+    from paged.core.engine.sampler import TokenLogprobs
 
     enc = make_encoder()
     params = SamplingParams(n=1, temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, seed=11, max_tokens=9,
@@ -426,7 +426,7 @@ def test_core_exits_when_front_end_dies(default_model_dir, tmp_path):
     script = (
         "import sys, time\n"
         "from paged.core.config import load_config\n"
-        "from paged.core.engine_core_proc import EngineCoreClient\n"
+        "from paged.core.ipc.engine_core_proc import EngineCoreClient\n"
         f"cfg = load_config(None, {{'model': {{'model': {default_model_dir!r}}}, 'device': 'cpu', "
         "'attention': {'backend': 'torch'}, 'cache': {'num_blocks': 32}})\n"
         "c = EngineCoreClient(cfg)\n"

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from paged.core.distributed import HeadShard, shard_heads, shard_range
+from paged.core.engine.distributed import HeadShard, shard_heads, shard_range
 from paged.core.errors import ConfigError
-from paged.core.model_runner import StepInputs
+from paged.core.engine.model_runner import StepInputs
 
 PAGED = [sys.executable, "-m", "paged.core.cli"]
 

@@ -79,7 +79,7 @@ def calibrate(config, *, clock: str = "wall", seed: int = 0, scale: float = 1.0,
               log: Callable[[str], None] | None = None) -> tuple[CostModel, ReplayResult]:  # fmt: skip
     """Build the engine from ``config``, replay the calibration workload, fit. Returns the model
     and the timed replay."""
-    from paged.core.engine import LLMEngine
+    from paged.core.frontend.llm_engine import LLMEngine
 
     if clock not in ("wall", "cpu"):
         from paged.core.errors import ConfigError
@@ -138,7 +138,7 @@ def validate(cost: CostModel, config, trace: Trace | None = None, *, policy: Pol
     """Replay ``trace`` (default: ``validation_trace``) on the real engine with ``clock``
     (default: the one the cost model was fitted on) and simulated with ``cost``; relative errors
     (sim - real) / real of mean TTFT, TPOT, e2e and of the span."""
-    from paged.core.engine import LLMEngine
+    from paged.core.frontend.llm_engine import LLMEngine
     from paged.core.lab.metrics import summarize
 
     clock = clock or (cost.clock if cost.clock in ("wall", "cpu") else "wall")

@@ -32,12 +32,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 from paged.core.errors import ConfigError, PagedError
-from paged.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from paged.core.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from paged.core.lab.cost import BatchShape, CostModel, batch_shape
 from paged.core.lab.trace import Trace, prompt_token_ids
-from paged.core.request import Request
+from paged.core.engine.request import Request
 from paged.core.sampling_params import SamplingParams
-from paged.core.scheduler import Scheduler
+from paged.core.engine.scheduler import Scheduler
 
 logger = logging.getLogger("paged")
 
@@ -214,7 +214,7 @@ class PolicyRun:
     def build(self, registry=None):
         """(spec, validated options, policy instance), through the plugin registry."""
         from paged.core.config import _validate_options
-        from paged.core.plugins import get_registry
+        from paged.core.registry import get_registry
 
         spec = (registry or get_registry()).policy(self.name)
         options = _validate_options(spec, self.options, f"policy {self.label!r} options")
@@ -451,7 +451,7 @@ def run_replay(requests: Sequence[LabRequest], executor, *, cost: CostModel | No
 
 # --- one comparison: a trace, several policies -----------------------------------------------------------------
 def _tokenizer_for(config, cost: CostModel | None):
-    from paged.models.loader import load_tokenizer, resolve_model_dir
+    from paged.core.loading.loader import load_tokenizer, resolve_model_dir
 
     source = config.model.tokenizer or config.model.model or ((cost.engine if cost else {}) or {}).get("model_dir")
     tokenizer = load_tokenizer(resolve_model_dir(source) if not config.model.tokenizer else source)
@@ -485,7 +485,7 @@ def replay_trace(trace: Trace, policies: Sequence[PolicyRun], config, *, mode: s
             executor = SimExecutor(policy, settings)
             settings_dict = asdict(settings)
         else:
-            from paged.core.engine import LLMEngine
+            from paged.core.frontend.llm_engine import LLMEngine
 
             engine_config = config.model_copy(deep=True)
             engine_config.scheduler.policy = run.name

@@ -10,13 +10,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from paged.core.detokenizer import IncrementalDetokenizer
-from paged.core.engine_core import EngineCoreOutput, ModelInfo
+from paged.core.frontend.detokenizer import IncrementalDetokenizer
+from paged.core.engine.engine_core import EngineCoreOutput, ModelInfo
 from paged.core.errors import InvalidRequestError
-from paged.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from paged.core.request import Request
+from paged.core.frontend.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from paged.core.engine.request import Request
 from paged.core.sampling_params import SamplingParams
-from paged.core.scheduler import check_request_fits
+from paged.core.engine.scheduler import check_request_fits
 
 
 @dataclass

@@ -6,8 +6,8 @@ whenever it is dead), ``GET /metrics`` (Prometheus text), ``GET /version`` and
 ``GET /debug/engine`` (core pid, KV blocks free / total, running / waiting requests).
 
 With ``--data-parallel-size N`` the engine is N core processes behind this one front-end (see
-``paged.core.async_llm``): /health is 200 only while all N run, the core metrics and
-/debug/engine's ``core`` are combined over the cores (``paged.core.dp_stats``), and /debug/engine's
+``paged.core.frontend.async_llm``): /health is 200 only while all N run, the core metrics and
+/debug/engine's ``core`` are combined over the cores (``paged.core.frontend.dp_stats``), and /debug/engine's
 ``cores`` lists each core's own stats plus the front-end's load on it; /metrics adds per-core
 gauges labelled ``dp_rank`` when N > 1.
 
@@ -37,11 +37,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from paged.core.async_llm import AsyncLLM, StatsObserver
+from paged.core.frontend.async_llm import AsyncLLM, StatsObserver
 from paged.core.config import EngineConfig
-from paged.core.engine_core_proc import EngineDeadError
+from paged.core.ipc.engine_core_proc import EngineDeadError
 from paged.core.errors import InvalidRequestError, PagedError
-from paged.core.outputs import RequestOutput
+from paged.core.frontend.outputs import RequestOutput
 from paged.core.sampling_params import SamplingParams
 
 logger = logging.getLogger("paged")
@@ -475,7 +475,7 @@ def default_served_model_name(config: EngineConfig) -> str:
     if config.server.served_model_name:
         return config.server.served_model_name
     if config.model.model is None:  # the embedded default: its name, not its cache directory's
-        from paged.models.gguf import DEFAULT_GGUF
+        from paged.core.loading.gguf import DEFAULT_GGUF
 
         return DEFAULT_GGUF.split(".")[0]
     path = Path(config.model.model)

@@ -43,7 +43,7 @@ from typing import Iterable
 
 import torch
 
-from paged.core.request import Request
+from paged.core.engine.request import Request
 
 _NEG_INF = float("-inf")
 

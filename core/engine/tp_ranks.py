@@ -4,11 +4,11 @@ Rank 0 is the engine core's own process (scheduler, sampler, its share of the mo
 ranks run ``ModelRunner.run_worker_loop`` and are either
 
 * started here, on this machine (``--tensor-parallel-size N`` alone): ``python -m
-  paged.core.executor`` per rank, the config as JSON on stdin, rendezvous on a free loopback
+  paged.core.engine.tp_ranks`` per rank, the config as JSON on stdin, rendezvous on a free loopback
   port, each in its own session and watching its parent (an orphaned rank exits); or
 * started by ``torchrun`` on one or several machines: every process runs the same ``paged run``
   / ``paged serve`` command; ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` say who is
-  who, rank 0 serves and the others become workers (``paged.core.cli``).
+  who, rank 0 serves and the others become workers (``python -m paged.core.cli``).
 
 Either way all ranks meet in torch.distributed's ``env://``-style rendezvous, and rank 0 stops
 them by broadcasting the stop sentinel (``shutdown``).
@@ -30,7 +30,7 @@ import time
 import torch
 
 from paged.core.config import EngineConfig, for_child_process, resolve_plugins
-from paged.core.distributed import (
+from paged.core.engine.distributed import (
     TensorParallel,
     destroy_tensor_parallel,
     init_tensor_parallel,
@@ -130,7 +130,7 @@ class TensorParallelExecutor:
 
 def _spawn_rank(config: EngineConfig, rank: int, size: int, port: int) -> subprocess.Popen:
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
-    cmd = [sys.executable, "-m", "paged.core.executor", "--rank", str(rank), "--world-size", str(size),
+    cmd = [sys.executable, "-m", "paged.core.engine.tp_ranks", "--rank", str(rank), "--world-size", str(size),
            "--master-addr", "127.0.0.1", "--master-port", str(port), "--parent-pid", str(os.getpid()),
            "--log-level", str(level)]
     payload, env = for_child_process(config)
@@ -181,8 +181,8 @@ def _stop_processes(procs: list[subprocess.Popen], timeout: float) -> None:
 def run_worker(config: EngineConfig, rank: int, size: int, master_addr: str, master_port: int, local_rank: int) -> int:
     """Join the group as ``rank``, build this rank's share of the model and KV cache, and run the
     steps rank 0 broadcasts until it says stop."""
-    from paged.core.model_runner import ModelRunner, resolve_device
-    from paged.core.plugins import get_registry
+    from paged.core.engine.model_runner import ModelRunner, resolve_device
+    from paged.core.registry import get_registry
 
     if config.parallel.tensor_parallel_size != size:
         raise ConfigError(

@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterable, Sequence
 
-from paged.core.kv_cache_manager import extend_block_hashes
+from paged.core.engine.kv_cache_manager import extend_block_hashes
 
 DEFAULT_SLACK = 2
 

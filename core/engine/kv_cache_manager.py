@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paged.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
-from paged.core.request import Request
+from paged.core.engine.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from paged.core.engine.request import Request
 
 
 def cdiv(a: int, b: int) -> int:
@@ -24,7 +24,7 @@ def extend_block_hashes(hashes: list[bytes], token_ids: list[int], block_size: i
     """Extend ``hashes`` (the chained hashes of the first ``len(hashes)`` full blocks of
     ``token_ids``) to every full block, and return it. The one definition of a prefix-cache key:
     block i's hash chains block i-1's; the cache salt goes into block 0's only. The data-parallel
-    router (paged.core.dp_router) uses it too, so that its keys are the cores' keys."""
+    router (paged.core.frontend.dp_router) uses it too, so that its keys are the cores' keys."""
     for i in range(len(hashes), len(token_ids) // block_size):
         parent = hashes[i - 1] if i else None
         extra = (cache_salt,) if i == 0 and cache_salt else ()

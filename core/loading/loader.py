@@ -2,7 +2,7 @@
 tokenizer, iterate the safetensors weights (memory-mapped; never pickle), pick the dtype, build.
 
 Only local files are used: a directory with ``config.json`` + ``*.safetensors``, a ``.gguf`` file
-(converted once into such a directory, see ``paged.models.gguf``), or nothing, meaning the
+(converted once into such a directory, see ``paged.core.loading.gguf``), or nothing, meaning the
 embedded SmolLM2-135M-Instruct.
 """
 
@@ -30,7 +30,7 @@ _INDEX_FILE = "model.safetensors.index.json"
 def resolve_model_dir(model: str | Path | None) -> Path:
     """``None`` -> the embedded default (converted from its GGUF on first use); a ``.gguf`` file
     -> its converted directory (cached); a directory with ``config.json`` -> itself."""
-    from paged.models import gguf
+    from paged.core.loading import gguf
 
     if model is None or str(model) == "":
         return gguf.default_model_dir()

@@ -47,7 +47,7 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
-    logprobs: list[Any] | None = None  # per generated token: paged.core.sampler.TokenLogprobs
+    logprobs: list[Any] | None = None  # per generated token: paged.core.engine.sampler.TokenLogprobs
     new_text: str = ""  # text added since the previous output of this request (streaming)
     new_token_ids: list[int] = field(default_factory=list)
     metrics: RequestMetrics | None = None

@@ -6,9 +6,9 @@ import time
 from typing import Any, Sequence
 
 from paged.core.config import EngineConfig, Flag, config_flags, load_config
-from paged.core.engine import LLMEngine
+from paged.core.frontend.llm_engine import LLMEngine
 from paged.core.errors import ConfigError
-from paged.core.outputs import RequestOutput
+from paged.core.frontend.outputs import RequestOutput
 from paged.core.sampling_params import SamplingParams
 
 

@@ -2,7 +2,7 @@
 
 ``step()`` = schedule, execute, append sampled tokens / free finished requests, and report one
 ``EngineCoreOutput`` per request that got a token (or finished). Tokenization, detokenization,
-stop strings and n > 1 fan-out belong to the front-end (paged.core.processor), so the same core
+stop strings and n > 1 fan-out belong to the front-end (paged.core.frontend.processor), so the same core
 runs in-process (``LLMEngine``) or in its own process behind ZeroMQ.
 """
 
@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Iterable
 
 from paged.core.config import EngineConfig, resolve_plugins
-from paged.core.kv_cache_manager import KVCacheManager
-from paged.core.request import Request, RequestStatus
-from paged.core.scheduler import Scheduler
+from paged.core.engine.kv_cache_manager import KVCacheManager
+from paged.core.engine.request import Request, RequestStatus
+from paged.core.engine.scheduler import Scheduler
 
 logger = logging.getLogger("paged")
 
@@ -63,9 +63,9 @@ class CoreStats:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, registry=None) -> None:
-        from paged.core.executor import TensorParallelExecutor, configure_cpu_threads
-        from paged.core.model_runner import ModelRunner, resolve_device
-        from paged.core.plugins import get_registry
+        from paged.core.engine.tp_ranks import TensorParallelExecutor, configure_cpu_threads
+        from paged.core.engine.model_runner import ModelRunner, resolve_device
+        from paged.core.registry import get_registry
 
         self.config = config
         registry = registry or get_registry()

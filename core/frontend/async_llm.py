@@ -10,7 +10,7 @@ With ``parallel.data_parallel_size`` N > 1 there are N cores behind the same soc
 ``DataParallelRouter`` picks the core of each core request (each child of an n > 1 request on its
 own: least loaded, preferring a known prefix) and remembers it until the request ends, so that
 aborts and stops go to the core that holds it; utility calls go to every core and ``get_stats``
-combines their answers (``paged.core.dp_stats``). Any dead core makes the whole engine dead.
+combines their answers (``paged.core.frontend.dp_stats``). Any dead core makes the whole engine dead.
 
     llm = AsyncLLM.from_config(config)        # blocks until the core says READY
     async for out in llm.generate("Hello", SamplingParams(max_tokens=8), "req-1"):
@@ -29,10 +29,10 @@ from typing import Any, AsyncIterator, Sequence
 import zmq
 
 from paged.core.config import EngineConfig
-from paged.core.dp_router import DataParallelRouter
-from paged.core.dp_stats import combine_core_stats
-from paged.core.engine_core import ModelInfo
-from paged.core.engine_core_proc import (
+from paged.core.frontend.dp_router import DataParallelRouter
+from paged.core.frontend.dp_stats import combine_core_stats
+from paged.core.engine.engine_core import ModelInfo
+from paged.core.ipc.engine_core_proc import (
     AbortRequests,
     CoreFailed,
     EngineCoreClient,
@@ -45,8 +45,8 @@ from paged.core.engine_core_proc import (
     request_to_wire,
 )
 from paged.core.errors import InvalidRequestError, PagedError
-from paged.core.outputs import RequestOutput
-from paged.core.processor import InputProcessor, OutputProcessor
+from paged.core.frontend.outputs import RequestOutput
+from paged.core.frontend.processor import InputProcessor, OutputProcessor
 from paged.core.sampling_params import SamplingParams
 
 logger = logging.getLogger("paged")
@@ -142,7 +142,7 @@ class AsyncLLM:
         """Start the core process, wait for its READY, load the tokenizer. Blocking; from an event
         loop, run it in a thread (``await asyncio.to_thread(AsyncLLM.from_config, config)``).
         Setting ``cancel`` stops the wait (and the core)."""
-        from paged.models.loader import load_tokenizer
+        from paged.core.loading.loader import load_tokenizer
 
         client = EngineCoreClient(config, start_timeout=start_timeout, cancel=cancel)
         try:
@@ -320,7 +320,7 @@ class AsyncLLM:
 
     async def get_stats(self, timeout: float = 5.0) -> dict[str, Any]:
         """The cores' CoreStats fields plus num_blocks, num_free_blocks, pid, num_requests_added
-        and pids, combined over the cores as ``paged.core.dp_stats`` says (one core: its own).
+        and pids, combined over the cores as ``paged.core.frontend.dp_stats`` says (one core: its own).
         The per-core dicts are kept in ``last_core_stats``."""
         per_core = await self.call_utility_all("stats", timeout=timeout)
         stats = combine_core_stats(per_core)

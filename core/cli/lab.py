@@ -46,7 +46,7 @@ class _PolicyAction(argparse.Action):
 def _add_engine_flags_without_policy(parser: argparse.ArgumentParser) -> None:
     """The engine flags of ``paged run`` but --policy / --policy-option, which the lab takes per
     replay, and the server's."""
-    from paged.core.cli import _CFG
+    from paged.core.cli.main import _CFG
     from paged.core.config import config_flags
 
     group = parser.add_argument_group("engine settings (also settable by --config FILE or PAGED_* env)")
@@ -66,7 +66,7 @@ def _add_engine_flags_without_policy(parser: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace):
-    from paged.core.cli import engine_config_from_args
+    from paged.core.cli.main import engine_config_from_args
 
     if not hasattr(args, "policy_option"):
         args.policy_option = None
@@ -81,7 +81,7 @@ def _floats(text: str) -> list[float]:
 
 
 def add_lab_parser(sub, common: argparse.ArgumentParser) -> None:
-    from paged.core.cli import add_engine_flags
+    from paged.core.cli.main import add_engine_flags
 
     lab = sub.add_parser("lab", help="policy lab: record, replay and compare scheduling policies on traces",
                          description=__doc__.split("\n\n")[0])  # fmt: skip
@@ -282,7 +282,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_policies(args: argparse.Namespace) -> int:
-    from paged.core.plugins import get_registry
+    from paged.core.registry import get_registry
 
     registry = get_registry()
     items = []
@@ -305,7 +305,7 @@ def cmd_policies(args: argparse.Namespace) -> int:
 
 
 def main_lab(argv: list[str] | None = None) -> int:  # for tests: `paged lab ...` without the rest
-    from paged.core.cli import main
+    from paged.core.cli.main import main
 
     return main(["lab", *(argv or [])])
 

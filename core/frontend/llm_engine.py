@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from paged.core.config import EngineConfig
-from paged.core.engine_core import EngineCore
+from paged.core.engine.engine_core import EngineCore
 from paged.core.errors import ConfigError, InvalidRequestError
-from paged.core.outputs import RequestOutput
-from paged.core.processor import InputProcessor, OutputProcessor
-from paged.core.request import RequestStatus
+from paged.core.frontend.outputs import RequestOutput
+from paged.core.frontend.processor import InputProcessor, OutputProcessor
+from paged.core.engine.request import RequestStatus
 from paged.core.sampling_params import SamplingParams
 
 
@@ -46,7 +46,7 @@ def check_offline_parallelism(config: EngineConfig) -> None:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, registry=None) -> None:
-        from paged.models.loader import load_tokenizer
+        from paged.core.loading.loader import load_tokenizer
 
         check_offline_parallelism(config)
         self.config = config

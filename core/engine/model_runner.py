@@ -29,10 +29,10 @@ import torch
 
 from paged.core.attention import AttentionLayout, BatchInputs
 from paged.core.config import EngineConfig, ResolvedPlugins
-from paged.core.distributed import get_tp, shard_heads
-from paged.core.kv_cache_manager import cdiv
-from paged.core.sampler import Sampler, SamplerOutput
-from paged.core.scheduler import SchedulerOutput
+from paged.core.engine.distributed import get_tp, shard_heads
+from paged.core.engine.kv_cache_manager import cdiv
+from paged.core.engine.sampler import Sampler, SamplerOutput
+from paged.core.engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger("paged")
 
@@ -90,7 +90,7 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, config: EngineConfig, plugins: ResolvedPlugins, registry, device: torch.device) -> None:
         from paged.models.llama import attention_shape
-        from paged.models.loader import build_model, get_dtype, load_hf_config, resolve_model_dir
+        from paged.core.loading.loader import build_model, get_dtype, load_hf_config, resolve_model_dir
 
         self.config = config
         self.device = device

@@ -57,7 +57,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 # --- paged plugins --------------------------------------------------------------------------
 def cmd_plugins(args: argparse.Namespace) -> int:
-    from paged.core.plugins import get_registry
+    from paged.core.registry import get_registry
 
     registry = get_registry()
     infos = [p.to_dict() for p in registry.plugins]
@@ -157,7 +157,7 @@ def _read_prompts(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _is_torchrun_worker() -> bool:
-    from paged.core.distributed import rendezvous_from_env
+    from paged.core.engine.distributed import rendezvous_from_env
 
     launched = rendezvous_from_env()
     return launched is not None and launched[0] != 0
@@ -166,13 +166,13 @@ def _is_torchrun_worker() -> bool:
 def _run_torchrun_worker(config: EngineConfig) -> int:
     """Under torchrun every process runs the same command; the ranks other than 0 serve rank 0's
     engine core as tensor-parallel workers instead."""
-    from paged.core.executor import run_worker_from_env
+    from paged.core.engine.tp_ranks import run_worker_from_env
 
     return run_worker_from_env(config)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from paged.core.engine import LLMEngine
+    from paged.core.frontend.llm_engine import LLMEngine
 
     config = engine_config_from_args(args)
     if _is_torchrun_worker():
@@ -296,7 +296,7 @@ def _round(v: float | None) -> float | None:
 # --- paged serve ----------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
     from paged.core.config import resolve_plugins
-    from paged.core.server import run_server
+    from paged.core.server.app import run_server
 
     config = engine_config_from_args(args)
     resolve_plugins(config, device=_device_for_check(config))  # bad plugin names fail before anything starts
@@ -357,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(config)
     config.set_defaults(func=cmd_config)
 
-    from paged.core.lab.cli import add_lab_parser  # paged lab: gen, replay, calibrate, validate, policies
+    from paged.core.cli.lab import add_lab_parser  # paged lab: gen, replay, calibrate, validate, policies
 
     add_lab_parser(sub, common)
     return parser

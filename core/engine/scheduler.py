@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from paged.core.errors import InvalidRequestError
-from paged.core.kv_cache_manager import KVCacheManager, cdiv
+from paged.core.engine.kv_cache_manager import KVCacheManager, cdiv
 from paged.core.policy import SchedulingPolicy
-from paged.core.request import Request, RequestStatus
+from paged.core.engine.request import Request, RequestStatus
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ With data parallelism (``parallel.data_parallel_size`` N > 1, ``paged serve`` on
 processes, ranks 0..N-1, each a whole engine core with its own KV cache, connect to the same two
 sockets: each DEALER has its own identity (``core-<rank>-<pid>``), which the ROUTER learns from
 that core's READY, and all PUSH to the one PULL (request ids are unique, so an output needs no
-sender). The front-end sends each request to one core (``paged.core.dp_router``) and utility
+sender). The front-end sends each request to one core (``paged.core.frontend.dp_router``) and utility
 calls to every core.
 
 Front-end -> core (``CoreRequest``, a tagged union): ``AddRequest``, ``AbortRequests``,
@@ -20,7 +20,7 @@ cache are up), ``Outputs`` (one per engine step that produced something), ``Util
 ``RequestFailed`` (the core rejected an added request), ``CoreFailed`` (a fatal error; the core
 exits right after).
 
-Process: ``python -m paged.core.engine_core_proc --input ADDR --output ADDR --parent-pid PID
+Process: ``python -m paged.core.ipc.engine_core_proc --input ADDR --output ADDR --parent-pid PID
 [--dp-rank R]`` with the configuration as JSON (``EngineConfig.model_dump``) on stdin. Inside,
 an input thread decodes requests into a queue, the main thread runs the busy loop (step while
 there is work, block on the queue when idle) and an output thread encodes and sends. The core
@@ -54,9 +54,9 @@ import msgspec
 import zmq
 
 from paged.core.config import for_child_process
-from paged.core.engine_core import EngineCoreOutput, ModelInfo
+from paged.core.engine.engine_core import EngineCoreOutput, ModelInfo
 from paged.core.errors import PagedError
-from paged.core.sampler import TokenLogprobs
+from paged.core.engine.sampler import TokenLogprobs
 from paged.core.sampling_params import SamplingParams
 
 logger = logging.getLogger("paged")
@@ -150,7 +150,7 @@ def output_from_wire(out: CoreOutput) -> EngineCoreOutput:
 
 
 def request_to_wire(request) -> AddRequest:
-    """A ``paged.core.request.Request`` (as the InputProcessor builds it) as an AddRequest."""
+    """A ``paged.core.engine.request.Request`` (as the InputProcessor builds it) as an AddRequest."""
     return AddRequest(
         request.request_id, list(request.prompt_token_ids), request.sampling_params, request.arrival_time,
         request.priority, request.cache_salt, request.eos_token_id, request.max_tokens,
@@ -158,7 +158,7 @@ def request_to_wire(request) -> AddRequest:
 
 
 def request_from_wire(msg: AddRequest):
-    from paged.core.request import Request
+    from paged.core.engine.request import Request
 
     return Request(
         msg.request_id, msg.prompt_token_ids, msg.sampling_params, arrival_time=msg.arrival_time,
@@ -245,7 +245,7 @@ class EngineCoreProc:
         return os.getppid() != self.parent_pid
 
     def _handle(self, msg) -> None:
-        from paged.core.request import RequestStatus
+        from paged.core.engine.request import RequestStatus
 
         core = self.core
         if isinstance(msg, AddRequest):
@@ -282,7 +282,7 @@ class EngineCoreProc:
         raise ValueError(f"unknown utility method {method!r}")
 
     def run(self) -> int:
-        from paged.core.engine_core import EngineCore
+        from paged.core.engine.engine_core import EngineCore
 
         try:
             self.core = EngineCore(self.config)
@@ -454,7 +454,7 @@ class EngineCoreClient:
         self._closed = False
         payload, env = for_child_process(config)
         level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
-        cmd = [sys.executable, "-m", "paged.core.engine_core_proc", "--input", self.input_addr,
+        cmd = [sys.executable, "-m", "paged.core.ipc.engine_core_proc", "--input", self.input_addr,
                "--output", self.output_addr, "--parent-pid", str(os.getpid()), "--log-level", str(level)]
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         try:

@@ -1,0 +1,1 @@
+"""Front-ends: input/output processing, detokenizer, LLMEngine, LLM, AsyncLLM, DP routing."""

@@ -1,0 +1,1 @@
+"""Model loading, independent of the architecture: config resolution, safetensors, GGUF."""
