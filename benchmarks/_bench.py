@@ -71,8 +71,9 @@ def run_phase(script: str, args: list[str], timeout: float = 3600) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def model_flops_per_token(hf_config) -> float:
-    """2 x parameters touched per token (embedding lookup excluded; the LM head counted)."""
+def layer_flops_per_token(hf_config) -> float:
+    """2 x the decoder-layer parameters each token passes through (attention over the context
+    and the embedding lookup excluded)."""
     h = hf_config.hidden_size
     layers = hf_config.num_hidden_layers
     heads = hf_config.num_attention_heads
@@ -80,11 +81,23 @@ def model_flops_per_token(hf_config) -> float:
     head_dim = getattr(hf_config, "head_dim", None) or h // heads
     inter = hf_config.intermediate_size
     per_layer = h * head_dim * (heads + 2 * kv) + heads * head_dim * h + 3 * h * inter
-    return 2 * (layers * per_layer + h * hf_config.vocab_size)
+    return 2 * layers * per_layer
+
+
+def lm_head_flops(hf_config) -> float:
+    """2 x the LM head's parameters: paid once per *sampled* row, not per prompt token (the
+    engine computes logits only at the rows it samples: one per generated token)."""
+    return 2 * hf_config.hidden_size * hf_config.vocab_size
+
+
+def model_flops(hf_config, input_tokens: int, output_tokens: int) -> float:
+    """FLOPs of a run: every token through the layers, the LM head once per generated token."""
+    return layer_flops_per_token(hf_config) * (input_tokens + output_tokens) + lm_head_flops(hf_config) * output_tokens
 
 
 def weight_bytes(hf_config, itemsize: int) -> float:
-    return model_flops_per_token(hf_config) / 2 * itemsize
+    """Bytes of the weights a decode step reads: every layer and the LM head."""
+    return (layer_flops_per_token(hf_config) + lm_head_flops(hf_config)) / 2 * itemsize
 
 
 def fmt(x: float | None, digits: int = 1) -> str:

@@ -25,7 +25,7 @@ one H200), in three sections:
 
 Run::
 
-    python benchmarks/gpu_check.py                 # on a CUDA machine; exit status 1 if a check fails
+    python benchmarks/gpu_check.py                 # on a CUDA machine; exit status 1 if a check fails, 2 if all skipped
     python benchmarks/gpu_check.py --cpu-dry       # anywhere: the same code on tiny shapes, Triton
                                                    # under its interpreter, numbers not meaningful
     python benchmarks/gpu_check.py --help
@@ -122,7 +122,12 @@ class Report:
             if status != "PASS":
                 for c, d in items:
                     print(f"  {c}: {d}")
-        return 1 if any(s == "FAIL" for _, s, _ in self.results) else 0
+        if any(s == "FAIL" for _, s, _ in self.results):
+            return 1
+        if not any(s == "PASS" for _, s, _ in self.results):
+            print("nothing was checked (every section skipped): exit status 2")
+            return 2  # a run that checked nothing must not read as a pass
+        return 0
 
 
 def header(title: str) -> None:

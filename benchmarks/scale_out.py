@@ -179,6 +179,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  dp2 / dp1 = {results['dp2']['tokens_per_s'] / results['dp1']['tokens_per_s']:.2f}x")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=2))
+    if results.get("tp_same_tokens") is False:
+        raise SystemExit("tp2 produced other greedy tokens than tp1: the TP figures measure wrong outputs")
 
 
 if __name__ == "__main__":

@@ -7,13 +7,16 @@ other:
       and tokens/s is a rate);
   (b) HF static batching: left-padded batches of 16, each batch running to its longest output
       (useful tokens counted, the padding's wasted work not);
-  (c) paged: all prompts at once, continuous batching.
-Prints tokens/s, the ratios paged/(a) and paged/(b), peak memory, the machine's measured matmul
+  (c) paged: all prompts at once, continuous batching (the headline);
+  (d) paged with at most 16 sequences at once: equal concurrency with (b), printed beside it.
+Every phase's greedy ids are checked against HF's (b) and the run fails below the documented
+tolerance (MIN_AGREEMENT). Prints tokens/s, the ratios paged/(a), paged/(b), (d)/(b), peak memory, the machine's measured matmul
 FLOP/s and copy bandwidth, and paged's model-FLOP utilisation. With --sweep it also measures
 throughput against the number of concurrent sequences and writes a PNG.
 
     python benchmarks/throughput.py --dtype float32
     python benchmarks/throughput.py --dtype bfloat16 --sweep
+    python benchmarks/throughput.py --quick          # ~5 min on 2 cores: 16 short prompts
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ def phase_hf(args) -> dict:
     with torch.inference_mode():
         model.generate(torch.tensor([prompts[0][:8]]), max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=pad)
     useful = generated = 0
+    token_ids: list[list[int]] = []
     start = time.perf_counter()
     with torch.inference_mode():
         for i in range(0, len(prompts), batch_size):
@@ -59,12 +63,14 @@ def phase_hf(args) -> dict:
             ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
             n = max(outs)
-            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad)
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad)
+            token_ids += [out[j, width : width + o].tolist() for j, o in enumerate(outs)]
             useful += sum(outs)
             generated += n * len(batch)
     elapsed = time.perf_counter() - start
     return {"output_tokens": useful, "generated_tokens": generated, "input_tokens": sum(map(len, prompts)),
-            "elapsed_s": elapsed, "tokens_per_s": useful / elapsed, "peak_rss_mib": _bench.peak_rss_mib()}
+            "elapsed_s": elapsed, "tokens_per_s": useful / elapsed, "peak_rss_mib": _bench.peak_rss_mib(),
+            "token_ids": token_ids}
 
 
 def phase_paged(args) -> dict:
@@ -87,7 +93,8 @@ def phase_paged(args) -> dict:
     stats = llm.engine.core.snapshot_stats()
     return {"output_tokens": produced, "input_tokens": sum(map(len, prompts)), "elapsed_s": elapsed,
             "tokens_per_s": produced / elapsed, "peak_rss_mib": _bench.peak_rss_mib(),
-            "steps": stats.num_steps, "preemptions": stats.num_preemptions}
+            "steps": stats.num_steps, "preemptions": stats.num_preemptions,
+            "token_ids": [list(r.outputs[0].token_ids) for r in results]}
 
 
 def _kv_bytes_per_token(args) -> int:
@@ -99,6 +106,30 @@ def _kv_bytes_per_token(args) -> int:
 
 
 PHASES = {"hf": phase_hf, "paged": phase_paged}
+
+
+# --- output check ----------------------------------------------------------------------------
+# Greedy ids must equal HF's. The reference (b) runs left-padded batches; padding and (in bfloat16)
+# rounding at other points can flip a near-tie, after which the two continuations differ. The
+# tolerance is on the mean share of each output that matches HF's from the start: float32 at least
+# MIN_AGREEMENT["float32"], bfloat16 at least MIN_AGREEMENT["bfloat16"]. Below it the run fails.
+MIN_AGREEMENT = {"float32": 0.98, "bfloat16": 0.80}
+
+
+def verify_ids(got: list[list[int]], reference: list[list[int]], dtype: str, name: str) -> float:
+    """Mean matching-prefix share of ``got`` against the first ``len(got)`` reference outputs;
+    raises SystemExit (a failed benchmark) when under the dtype's tolerance."""
+    shares = []
+    for ours, ref in zip(got, reference):
+        if len(ours) != len(ref):
+            raise SystemExit(f"phase ({name}): {len(ours)} tokens where HF produced {len(ref)}")
+        same = next((k for k, (x, y) in enumerate(zip(ours, ref)) if x != y), len(ref))
+        shares.append(same / max(len(ref), 1))
+    mean = sum(shares) / max(len(shares), 1)
+    if mean < MIN_AGREEMENT[dtype]:
+        raise SystemExit(f"phase ({name}): greedy ids match HF's for only {mean:.1%} of the output on average "
+                         f"(tolerance {MIN_AGREEMENT[dtype]:.0%} for {dtype}): the figures measure wrong outputs")
+    return mean
 
 
 # --- driver ----------------------------------------------------------------------------------
@@ -136,7 +167,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--phase", choices=list(PHASES), help=argparse.SUPPRESS)
     parser.add_argument("--limit", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--batch-size", type=int, default=16, help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="16 prompts of 32-128 tokens, 16-48 outputs")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.num_prompts, args.prompt_range, args.output_range, args.hf_single_prompts = 16, [32, 128], [16, 48], 4
 
     if args.phase:
         print(json.dumps(PHASES[args.phase](args)))
@@ -162,17 +196,25 @@ def main(argv: list[str] | None = None) -> None:
     print(f"(b) HF static batch 16:{b['tokens_per_s']:8.1f} tok/s  ({b['output_tokens']} useful of {b['generated_tokens']} generated, {b['elapsed_s']:.1f} s, peak RSS {b['peak_rss_mib']:.0f} MiB)", flush=True)
     c = _bench.run_phase(script, _phase_args(args, "paged", batch_size=max(args.num_prompts, 1)))
     print(f"(c) paged:             {c['tokens_per_s']:8.1f} tok/s  ({c['output_tokens']} tokens, {c['elapsed_s']:.1f} s, peak RSS {c['peak_rss_mib']:.0f} MiB, {c['steps']} steps)", flush=True)
+    d = _bench.run_phase(script, _phase_args(args, "paged", batch_size=16))
+    print(f"(d) paged, 16 at once: {d['tokens_per_s']:8.1f} tok/s  (equal concurrency with (b); {d['elapsed_s']:.1f} s)", flush=True)
+    # Every phase must produce HF's greedy ids (b is the reference for all prompts, a for its subset).
+    agreement = {name: verify_ids(phase["token_ids"], b["token_ids"], args.dtype, name)
+                 for name, phase in (("a", a), ("c", c), ("d", d))}  # fmt: skip
+    print("greedy ids vs HF (b), mean matching prefix: " + ", ".join(f"({k}) {v:.1%}" for k, v in agreement.items()))
 
-    flops = _bench.model_flops_per_token(hf_config) * (c["input_tokens"] + c["output_tokens"]) / c["elapsed_s"]
+    flops = _bench.model_flops(hf_config, c["input_tokens"], c["output_tokens"]) / c["elapsed_s"]
     result = {
         "dtype": args.dtype, "num_prompts": args.num_prompts, "seed": args.seed,
-        "hf_single": a, "hf_static16": b, "paged": c,
+        "hf_single": a, "hf_static16": b, "paged": c, "paged_16": d, "ids_agreement": agreement,
         "paged_over_hf_single": c["tokens_per_s"] / a["tokens_per_s"],
         "paged_over_hf_static": c["tokens_per_s"] / b["tokens_per_s"],
+        "paged16_over_hf_static16": d["tokens_per_s"] / b["tokens_per_s"],
         "matmul_peak_gflops": peak_flops / 1e9, "copy_bandwidth_gbs": bandwidth / 1e9,
         "paged_model_gflops": flops / 1e9, "paged_mfu": flops / peak_flops,
     }
-    print(f"paged / HF one-at-a-time: {result['paged_over_hf_single']:.1f}x   paged / HF static batching: {result['paged_over_hf_static']:.2f}x")
+    print(f"paged / HF one-at-a-time: {result['paged_over_hf_single']:.1f}x   paged / HF static batching: {result['paged_over_hf_static']:.2f}x"
+          f"   at equal concurrency (16 vs 16): {result['paged16_over_hf_static16']:.2f}x")
     print(f"machine: matmul peak {peak_flops / 1e9:.0f} GFLOP/s ({args.dtype}), copy bandwidth {bandwidth / 1e9:.1f} GB/s; "
           f"paged model FLOP/s {flops / 1e9:.1f} G = MFU {100 * flops / peak_flops:.1f}%")
 

@@ -76,6 +76,8 @@ def run_scenario(
     gen = torch.Generator().manual_seed(seed)
     layout = make_layout(num_heads, num_kv_heads, head_dim, block_size, dtype, device, layers)
     backend = TorchAttentionBackend(layout, TorchAttentionOptions(cpu_decode_kernel=kernel))
+    if kernel and layout.device.type == "cpu":  # a "kernel" case must run the kernel, not the fallback
+        assert backend._kernel is not None, "cpu_paged_decode did not load"
     seq_lens = [c + q for c, q in requests]
     num_blocks = 1 + sum(cdiv(s, block_size) for s in seq_lens) + spare_blocks
     free = list(range(1, num_blocks))
@@ -226,6 +228,8 @@ def test_block_zero_in_use_and_unused_blocks_untouched(kernel):
     # masked even though it holds finite data, and a step writes only its own slots
     layout = make_layout(num_heads=4, num_kv_heads=2, head_dim=8, block_size=2)
     backend = TorchAttentionBackend(layout, TorchAttentionOptions(cpu_decode_kernel=kernel))
+    if kernel:
+        assert backend._kernel is not None, "cpu_paged_decode did not load"
     [(k_cache, v_cache)] = backend.allocate_kv_cache(8)
     k_cache.fill_(float("nan"))
     v_cache.fill_(float("nan"))

@@ -3,19 +3,26 @@ the KVCacheManager, with every invariant of the block pool, the manager and the 
 checked after every operation (and between schedule() and update_from_output()).
 
 The model is simulated by a shadow of the KV cache: ``contents[block_id][offset]`` is the token
-whose K/V was last written into that slot. Each step "writes" the scheduled tokens of every
-scheduled request into its block table. This checks that a prefix-cache hit really gives the
-request the K/V of its own tokens, and that every cached hash is the chained hash of what its block
-holds.
+whose K/V was last written into that slot, and ``context[block_id]`` is the full token context
+(cache salt and every token from the sequence start to the block's end) of the request that last
+wrote the block. Each step "writes" the scheduled tokens of every scheduled request into its block
+table. A prefix-cache hit must give the request blocks whose whole context is its own (so a hit
+across different salts or different earlier tokens fails), and the product's block hashes are
+treated as opaque keys: one hash never stands for two contexts. Nothing here recomputes a hash.
+
+Steering (so that the interesting paths are common, not rare): block counts and max_model_len are
+sized together so most requests fit; prompts start with a prefix of one of two stems drawn at setup
+(shared full blocks); ``target()`` asks hypothesis for more preemptions and prefix-hit tokens, and
+``event()`` reports how often examples preempt, hit the cache and admit anything
+(``pytest tests/test_kv_cache_stateful.py --hypothesis-show-statistics``).
 """
 
 from __future__ import annotations
 
 import hypothesis.strategies as st
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings, target
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from paged.core.engine.block_pool import hash_block_tokens
 from paged.core.errors import InvalidRequestError
 from paged.core.engine.kv_cache_manager import KVCacheManager, cdiv
 from paged.core.engine.request import Request, RequestStatus
@@ -24,25 +31,37 @@ from paged.core.engine.scheduler import Scheduler
 from paged.plugins.policies import FCFSPolicy, PriorityOptions, PriorityPolicy
 
 ALPHABET = st.integers(0, 2)  # small, so prompts share prefixes
+STEM_ALPHABET = st.integers(0, 5)  # stems differ from each other early
 EOS = 0
 MAX_DRAIN_STEPS = 2000
 
 
 class KVCacheMachine(RuleBasedStateMachine):
+    """Policy and caching are fixed per subclass (one test each, below): within one hypothesis run
+    the examples crowd into few configurations, so a configuration left to chance goes untested."""
+
+    POLICY = "fcfs"
+    CACHING = True
+
     @initialize(
-        num_blocks=st.integers(3, 14),
         block_size=st.integers(2, 4),
-        caching=st.booleans(),
-        policy=st.sampled_from(["fcfs", "priority", "priority-aging"]),
+        num_blocks=st.integers(3, 10),
         max_num_seqs=st.integers(1, 4),
-        max_num_batched_tokens=st.integers(1, 12),
         threshold=st.sampled_from([0, 0, 2, 3]),
-        max_model_len=st.integers(4, 24),
         chunked=st.sampled_from([True, True, True, False]),
+        data=st.data(),
     )
-    def setup(self, num_blocks, block_size, caching, policy, max_num_seqs, max_num_batched_tokens, threshold, max_model_len, chunked):
+    def setup(self, block_size, num_blocks, max_num_seqs, threshold, chunked, data):
+        policy, caching = self.POLICY, self.CACHING
+        capacity = num_blocks * block_size
+        # Sized to the cache: a sequence fills from 2 blocks to a bit more than the whole cache
+        # (the rare too-big request is rejected), so 2-4 requests compete for the blocks.
+        max_model_len = data.draw(st.integers(2 * block_size, capacity + block_size), label="max_model_len")
+        # Small budgets chunk prefills; large ones leave room after a displacement.
+        budget = st.one_of(st.integers(1, 2 * block_size), st.integers(2 * block_size, 2 * max_model_len))
+        max_num_batched_tokens = data.draw(budget, label="max_num_batched_tokens")
         if not chunked:  # whole prompts only: the budget must hold the longest sequence
-            max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
+            max_num_batched_tokens = max_model_len
             threshold = 0
         if policy == "fcfs":
             pol = FCFSPolicy()
@@ -61,38 +80,81 @@ class KVCacheMachine(RuleBasedStateMachine):
             long_prefill_token_threshold=threshold,
             enable_chunked_prefill=chunked,
         )
+        # Prompts begin with a prefix of a stem: requests share full blocks, so hits are common.
+        stem = st.lists(STEM_ALPHABET, min_size=max_model_len, max_size=max_model_len)
+        self.stems = [data.draw(stem, label="stem 0"), data.draw(stem, label="stem 1")]
         self.contents: dict[int, dict[int, int]] = {}  # block id -> offset -> token
+        self.context: dict[int, tuple] = {}  # block id -> (salt, tokens up to the block's end)
+        self.hash_context: dict[object, tuple] = {}  # product hash (opaque) -> context it stood for
         self.clock = 0.0
         self.ended: set[str] = set()
-        # block id -> (hash, contents) when last checked while a request held it
-        self.verified: dict[int, tuple[bytes, dict[int, int]]] = {}
+        # block id -> (hash, context) when last checked while a request held it
+        self.verified: dict[int, tuple[object, tuple]] = {}
         self.last_output = None
+        self.num_preempted = 0
+        self.num_hit_tokens = 0
+        self.num_admitted = 0
+        self.prompts: list[tuple[str | None, tuple[int, ...]]] = []  # (salt, prompt) of every add
+        self._add(data)  # every example has work (initialize rules run in no fixed order)
 
     # --- rules ----------------------------------------------------------------------------
-    @rule(
-        rid=st.sampled_from([f"r{k}" for k in range(8)]),  # ids are reused once finished
-        prompt=st.lists(ALPHABET, min_size=1, max_size=14),
-        max_tokens=st.integers(1, 6),
-        min_tokens=st.integers(0, 2),
-        priority=st.integers(0, 2),
-        salt=st.sampled_from([None, None, "s"]),
-        ignore_eos=st.booleans(),
-        stop_token=st.sampled_from([None, 2]),
-    )
-    def add(self, rid, prompt, max_tokens, min_tokens, priority, salt, ignore_eos, stop_token):
+    @rule(data=st.data())
+    def add(self, data):
+        self._add(data)
+        self._some_steps(data)
+
+    @rule(data=st.data())
+    def add_urgent(self, data):
+        """A short request of the best priority: under the priority policy it displaces."""
+        self._add(data, urgent=True)
+        self._some_steps(data)
+
+    @precondition(lambda self: bool(self.prompts))
+    @rule(data=st.data())
+    def add_again(self, data):
+        """A prompt seen before (same salt), possibly extended: its computed blocks are hits."""
+        self._add(data, again=data.draw(st.sampled_from(self.prompts), label="again"))
+        self._some_steps(data)
+
+    def _some_steps(self, data):
+        """Steps between arrivals: left to rule choice alone, most examples add everything before
+        the first step, and then nothing arrives while requests run (no displacement)."""
+        for _ in range(data.draw(st.integers(0, 2), label="steps")):
+            self._step(data)
+
+    def _add(self, data, urgent=False, again=None):
+        draw = data.draw
+        rid = draw(st.sampled_from([f"r{k}" for k in range(8)]), label="rid")  # reused once finished
+        max_tokens = draw(st.integers(1, 6), label="max_tokens")
         self.clock += 1.0
+        max_len = self.sched.max_model_len
+        # Lengths from 1 to what fits (a tenth may not fit, to check the rejection).
+        fits = draw(st.integers(0, 9), label="fits") > 0
+        limit = max(1, min(max_len, self.kv.num_blocks * self.bs) - max_tokens) if fits else max_len + self.bs
+        if urgent:
+            limit = min(limit, 2 * self.bs)
+        length = draw(st.integers(1, limit), label="prompt length")
+        if again is not None:
+            salt, shared = again
+        else:
+            salt = draw(st.sampled_from([None, None, None, "s"]), label="salt")
+            stem = draw(st.sampled_from([0, 0, 1, None]), label="stem")
+            shared = self.stems[stem][: draw(st.integers(0, length), label="shared")] if stem is not None else []
+        shared = list(shared[:length])
+        prompt = shared + draw(st.lists(ALPHABET, min_size=length - len(shared), max_size=length - len(shared)), label="tail")
+        self.prompts.append((salt, tuple(prompt)))
         params = SamplingParams(
             max_tokens=max_tokens,
-            min_tokens=min(min_tokens, max_tokens),
-            ignore_eos=ignore_eos,
-            stop_token_ids=[stop_token] if stop_token is not None else [],
+            min_tokens=min(draw(st.integers(0, 2), label="min_tokens"), max_tokens),
+            ignore_eos=draw(st.booleans(), label="ignore_eos"),
+            stop_token_ids=draw(st.sampled_from([[], [2]]), label="stop_token_ids"),
         )
         request = Request(
             rid,
             prompt,
             params,
             arrival_time=self.clock,
-            priority=priority,
+            priority=0 if urgent else draw(st.integers(1, 3), label="priority"),
             cache_salt=salt,
             eos_token_id=EOS,
             max_tokens=max_tokens,
@@ -111,16 +173,30 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.ended.discard(rid)
         assert request.status == RequestStatus.WAITING
 
-    @rule(data=st.data())
-    def step(self, data):
+    def _schedule_and_write(self):
+        """One schedule(), checked, with the model's K/V writes applied to the shadow."""
+        waiting = {r.request_id for r in self.sched.waiting}
         output = self.sched.schedule()
         self._check_output(output)
-        # The model writes the K/V of every scheduled token.
+        self.num_preempted += len(output.preempted_request_ids)
         for s in output.scheduled:
-            table = self.kv.block_tables[s.request.request_id]
+            r = s.request
+            if r.request_id in waiting:
+                self.num_admitted += 1
+                self.num_hit_tokens += s.num_computed_tokens  # a new admission starts at its hits
+            table = self.kv.block_tables[r.request_id]
             for pos in range(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens):
-                block = table[pos // self.bs]
-                self.contents.setdefault(block.block_id, {})[pos % self.bs] = s.request.all_token_ids[pos]
+                block_id = table[pos // self.bs].block_id
+                self.contents.setdefault(block_id, {})[pos % self.bs] = r.all_token_ids[pos]
+                self.context[block_id] = (r.cache_salt, tuple(r.all_token_ids[: pos + 1]))
+        return output
+
+    @rule(data=st.data())
+    def step(self, data):
+        self._step(data)
+
+    def _step(self, data):
+        output = self._schedule_and_write()
         self.check_all()
         # The model may give a token to every scheduled request: only those that sample take it.
         sampled = {s.request.request_id: data.draw(ALPHABET, label="token") for s in output.scheduled}
@@ -193,19 +269,6 @@ class KVCacheMachine(RuleBasedStateMachine):
             if k >= p.min_tokens:
                 assert tok not in p.stop_token_ids and (p.ignore_eos or tok != EOS)
 
-    def _chain_hashes(self, request, table, upto):
-        """Chained hashes of the first ``upto`` blocks of ``table`` from the shadow contents."""
-        out, parent = [], None
-        for j in range(upto):
-            content = self.contents.get(table[j].block_id, {})
-            tokens = [content.get(o) for o in range(self.bs)]
-            if None in tokens:
-                break
-            extra = (request.cache_salt,) if j == 0 and request.cache_salt else ()
-            parent = hash_block_tokens(parent, tokens, extra)
-            out.append(parent)
-        return out
-
     @invariant()
     def check_all(self):
         if not hasattr(self, "kv"):
@@ -266,18 +329,23 @@ class KVCacheMachine(RuleBasedStateMachine):
             for pos in range(r.num_computed_tokens):
                 got = self.contents.get(table[pos // bs].block_id, {}).get(pos % bs)
                 assert got == r.all_token_ids[pos], f"{r.request_id} pos {pos}: {got} != {r.all_token_ids[pos]}"
-            # Only full, computed blocks are cached, and each under the chained hash of its contents.
-            chain = self._chain_hashes(r, table, len(table))
+            # Every full computed block (own or a prefix hit) was written in this request's whole
+            # context: same salt, same tokens from the sequence start.
+            for j in range(r.num_computed_tokens // bs):
+                expected = (r.cache_salt, tuple(r.all_token_ids[: (j + 1) * bs]))
+                assert self.context.get(table[j].block_id) == expected, f"{r.request_id} block {j}: foreign context"
+            # Only full, computed blocks are cached; a hash stands for one context only.
             for j, b in enumerate(table):
                 if b.block_hash is not None:
                     assert (j + 1) * bs <= r.num_computed_tokens, "a block cached before it is computed"
-                    assert j < len(chain) and b.block_hash == chain[j], f"{r.request_id} block {j} hash mismatch"
                     assert b.block_hash == r.block_hashes[j]
-                    self.verified[b.block_id] = (b.block_hash, dict(self.contents[b.block_id]))
-        # A free block keeps its hash only as long as its contents are what was checked.
+                    context = self.context[b.block_id]
+                    assert self.hash_context.setdefault(b.block_hash, context) == context, "one hash, two contexts"
+                    self.verified[b.block_id] = (b.block_hash, context)
+        # A free block keeps its hash only as long as it holds what was checked.
         for b in pool.blocks:
             if b.block_hash is not None and b.ref_cnt == 0:
-                assert self.verified.get(b.block_id) == (b.block_hash, self.contents.get(b.block_id)), b
+                assert self.verified.get(b.block_id) == (b.block_hash, self.context.get(b.block_id)), b
         for r in waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert r.num_computed_tokens == 0
@@ -296,25 +364,41 @@ class KVCacheMachine(RuleBasedStateMachine):
         while self.sched.has_unfinished_requests():
             steps += 1
             assert steps <= MAX_DRAIN_STEPS, "scheduler made no progress"
-            output = self.sched.schedule()
-            self._check_output(output)
-            for s in output.scheduled:
-                table = self.kv.block_tables[s.request.request_id]
-                for pos in range(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens):
-                    self.contents.setdefault(table[pos // self.bs].block_id, {})[pos % self.bs] = s.request.all_token_ids[pos]
+            output = self._schedule_and_write()
             self.check_all()
             self.sched.update_from_output(output, {s.request.request_id: 1 for s in output.scheduled if s.samples})
         self.check_all()
+        # Steering: more preemptions and more prefix-hit tokens are the interesting paths.
+        target(float(self.num_preempted), label="preemptions")
+        if self.kv.enable_caching:
+            target(float(self.num_hit_tokens), label="prefix-hit tokens")
+        event(f"admitted a request: {self.num_admitted > 0}")
+        event(f"preempted: {self.num_preempted > 0}")
+        event(f"prefix hit: {self.num_hit_tokens > 0}")
         pool = self.kv.block_pool
         assert pool.get_num_free_blocks() == pool.num_blocks
         assert all(b.ref_cnt == 0 for b in pool.blocks)
         assert self.kv.block_tables == {} or all(not t for t in self.kv.block_tables.values())
 
 
-KVCacheMachine.TestCase.settings = settings(
-    max_examples=150,
+SETTINGS = settings(
+    max_examples=25,  # per configuration: 150 in all, as before the split
     stateful_step_count=30,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-TestKVCacheStateful = KVCacheMachine.TestCase
+
+
+def _test_case(policy: str, caching: bool):
+    machine = type(f"KVCacheMachine_{policy}_{caching}", (KVCacheMachine,), {"POLICY": policy, "CACHING": caching})
+    case = machine.TestCase
+    case.settings = SETTINGS
+    return case
+
+
+TestFCFSCaching = _test_case("fcfs", True)
+TestFCFSNoCaching = _test_case("fcfs", False)
+TestPriorityCaching = _test_case("priority", True)
+TestPriorityNoCaching = _test_case("priority", False)
+TestPriorityAgingCaching = _test_case("priority-aging", True)
+TestPriorityAgingNoCaching = _test_case("priority-aging", False)

@@ -7,6 +7,8 @@ CPU time per step), which other processes on the machine do not inflate.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -168,16 +170,19 @@ def priority_report(tmp_path_factory):
                        "--output-len", "48", "--seed", "5"])  # fmt: skip
     assert code == 0
     out_dir = tmp / "out"
-    return trace_path, out_dir
-
-
-def test_priority_beats_fcfs_on_the_high_priority_p99_ttft(priority_report, capsys):
-    trace_path, out_dir = priority_report
-    code = paged_main(["lab", "replay", "-q", str(trace_path), "--simulate", "const:0.02", "--policy", "fcfs",
-                       "--policy", "priority", "--num-kv-blocks", "60", "--max-num-seqs", "4",
-                       "--max-model-len", "2048", "--slo-ttft", "1.0", "--out-dir", str(out_dir), "--html", "--json"])  # fmt: skip
+    # The replay runs here, not in the first test that needs it: every test gets its output
+    # whatever the order or selection (-k) of the tests.
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = paged_main(["lab", "replay", "-q", str(trace_path), "--simulate", "const:0.02", "--policy", "fcfs",
+                           "--policy", "priority", "--num-kv-blocks", "60", "--max-num-seqs", "4",
+                           "--max-model-len", "2048", "--slo-ttft", "1.0", "--out-dir", str(out_dir), "--html", "--json"])  # fmt: skip
     assert code == 0
-    doc = json.loads(capsys.readouterr().out)
+    return out_dir, json.loads(stdout.getvalue())
+
+
+def test_priority_beats_fcfs_on_the_high_priority_p99_ttft(priority_report):
+    out_dir, doc = priority_report
     by_label = {s["label"]: s for s in doc["summaries"]}
     fcfs, prio = by_label["fcfs"]["classes"]["0"], by_label["priority"]["classes"]["0"]
     assert prio["ttft"]["p99"] < 0.5 * fcfs["ttft"]["p99"], (prio["ttft"], fcfs["ttft"])
@@ -189,9 +194,7 @@ def test_priority_beats_fcfs_on_the_high_priority_p99_ttft(priority_report, caps
 
 
 def test_report_files_are_written(priority_report):
-    _, out_dir = priority_report
-    if not (out_dir / "report.html").exists():
-        pytest.skip("needs test_priority_beats_fcfs_on_the_high_priority_p99_ttft to have run")
+    out_dir, _ = priority_report
     for name in ("timeline.png", "ttft_cdf.png"):
         data = (out_dir / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
@@ -258,7 +261,9 @@ def test_simulation_is_close_to_the_real_replay(tiny_model):
         cost, calibration = calibrate(config, clock="cpu", scale=2)
         assert cost.fit["num_steps"] > 150 and cost.coef[0] > 0
         out = validate(cost, config, clock="cpu")
-        assert abs(cost.fit["total_time_rel_error"]) < 1e-6  # the fit is rescaled to the measured total
+        # The linear model itself must explain the measured total (the rescaled fit matches it by
+        # construction, so that one says nothing).
+        assert abs(cost.fit["unscaled_total_time_rel_error"]) < 0.5, cost.fit
         errors.append({**out["rel_errors"], "fit_total_time_unscaled": cost.fit["unscaled_total_time_rel_error"]})
         assert out["real"]["steps"] > 50 and out["num_requests"] >= 16
         if abs(out["rel_errors"]["e2e_mean"]) < 0.35 and abs(out["rel_errors"]["tpot_mean"]) < 0.35:

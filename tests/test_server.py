@@ -350,10 +350,28 @@ def test_disconnected_clients_are_aborted_and_blocks_return(server, model_name):
     running = asyncio.run(main())
     assert running["paged:num_requests_running"] + running["paged:num_requests_waiting"] >= 1
     assert running["paged:num_free_kv_blocks"] < NUM_BLOCKS
-    # A non-streamed request whose client gives up is aborted too.
-    with pytest.raises(httpx.TimeoutException):
-        server.post("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True},
-                    timeout=httpx.Timeout(2.0))
+    # A non-streamed request whose client goes away is aborted too. The client leaves once the
+    # server has generated tokens for it (an event; a client timer would race the 200 tokens).
+    def idle():
+        m = server.metrics()
+        return m["paged:num_requests_running"] == m["paged:num_requests_waiting"] == 0
+
+    _wait_for(idle, 60, "the streams aborted")
+
+    async def leave_non_streamed():
+        tokens_before = server.metrics()["paged:generation_tokens_total"]
+        async with httpx.AsyncClient(timeout=600) as client:
+            request = asyncio.create_task(client.post(
+                server.url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                json={"model": model_name, "prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True}))
+            while server.metrics()["paged:generation_tokens_total"] <= tokens_before:
+                assert not request.done(), "the request finished before the client could leave"
+                await asyncio.sleep(0.05)
+            request.cancel()  # the connection closes mid-request
+            with pytest.raises(asyncio.CancelledError):
+                await request
+
+    asyncio.run(leave_non_streamed())
 
     def all_back():
         m = server.metrics()
