@@ -64,7 +64,7 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or abs(value) > FLOAT32_MAX:
-                bad(name, "must be a finite number")
+                bad(name, "must be a finite number within float32 range (|x| <= 3.4e38)")
         for name in ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs"):
             value = getattr(self, name)
             if value is not None and not is_int(value):
