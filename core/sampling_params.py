@@ -19,9 +19,9 @@ class SamplingParams:
     """How to pick each generated token and when to stop.
 
     temperature 0 (or below ``GREEDY_TEMPERATURE``, which is then set to 0) means greedy. Every
-    integer fits int64 and every float is finite and within float32. ``seed`` makes a request's
-    samples reproducible whatever else is in the batch. Stop strings are not included in the
-    returned text.
+    integer fits int64 and every float is finite and within float32. ``seed`` (any integer, kept
+    modulo 2**64) makes a request's samples reproducible whatever else is in the batch. Stop
+    strings are not included in the returned text.
     """
 
     n: int = 1
@@ -49,6 +49,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.seed, int) and not isinstance(self.seed, bool):
+            # Any integer is a seed; the sampler's generator reads it modulo 2**64. Kept in int64
+            # range (same residue), so it and seed + sample index cross the process boundary.
+            self.seed = (self.seed - INT64_MIN) % (1 << 64) + INT64_MIN
         if isinstance(self.temperature, (int, float)) and 0 < self.temperature < GREEDY_TEMPERATURE:
             self.temperature = 0.0
         self.validate()
@@ -79,8 +83,6 @@ class SamplingParams:
             bad("top_k", "must be an integer >= 0 (0 or -1 disables it)")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", "must be in [0, 1]")
-        if self.seed is not None and self.seed > INT64_MAX - (self.n - 1):
-            bad("seed", f"must be <= {INT64_MAX - (self.n - 1)} (seed + index of each of the n samples fits int64)")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             bad("max_tokens", "must be an integer >= 1 or None")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:

@@ -10,8 +10,8 @@ from fastapi.responses import Response
 from paged.core.errors import InvalidRequestError
 from paged.core.frontend.outputs import CompletionOutput
 from paged.core.server.errors import from_exception, invalid
-from paged.core.server.generation import ChoiceFormat, respond
-from paged.core.server.protocol import ChatCompletionRequest, ChatMessage, check_limits, parse, sampling_params
+from paged.core.server.generation import ChoiceFormat, accept, respond
+from paged.core.server.protocol import ChatCompletionRequest, ChatMessage, check_limits, sampling_params
 from paged.core.server.state import ServerState
 from paged.core.server.streaming import chat_logprobs
 
@@ -58,9 +58,7 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
 
 async def chat(state: ServerState, body: Any) -> Response:
     try:
-        req: ChatCompletionRequest = parse(ChatCompletionRequest, body)
-        state.require_llm()
-        state.check_model(req.model)
+        req: ChatCompletionRequest = accept(state, ChatCompletionRequest, body)
         if req.tools:
             raise invalid("tools: not supported", "tools")
         if req.tool_choice not in (None, "none"):

@@ -9,8 +9,8 @@ from fastapi.responses import Response
 
 from paged.core.frontend.outputs import CompletionOutput
 from paged.core.server.errors import from_exception, invalid
-from paged.core.server.generation import ChoiceFormat, respond
-from paged.core.server.protocol import CompletionRequest, check_limits, parse, sampling_params
+from paged.core.server.generation import ChoiceFormat, accept, respond
+from paged.core.server.protocol import CompletionRequest, check_limits, sampling_params
 from paged.core.server.state import ServerState
 from paged.core.server.streaming import completion_logprobs
 
@@ -50,9 +50,7 @@ def prompt_list(prompt: Any) -> list[str | list[int]]:
 
 async def completions(state: ServerState, body: Any) -> Response:
     try:
-        req: CompletionRequest = parse(CompletionRequest, body)
-        state.require_llm()
-        state.check_model(req.model)
+        req: CompletionRequest = accept(state, CompletionRequest, body)
         if req.echo:
             raise invalid("echo: not supported", "echo")
         if req.suffix:

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from paged.core.frontend.outputs import CompletionOutput, RequestOutput
 from paged.core.sampling_params import SamplingParams
 from paged.core.server.errors import from_exception
+from paged.core.server.protocol import parse
 from paged.core.server.state import ServerState
 from paged.core.server.streaming import DONE, EventStream, Tokens, first_or_error, merged, sse, usage
 
@@ -36,6 +37,14 @@ class ChoiceFormat:
 
     def delta_choice(self, index: int, c: CompletionOutput, new_logprobs: list | None) -> dict[str, Any]:
         raise NotImplementedError
+
+
+def accept(state: ServerState, request_type: type, body: Any) -> Any:
+    """The parsed request, if the engine runs and the request names the served model."""
+    req = parse(request_type, body)
+    state.require_llm()
+    state.check_model(req.model)
+    return req
 
 
 async def start(state: ServerState, request_id: str, prompts: list, params: SamplingParams, priority: int,
