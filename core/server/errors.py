@@ -47,6 +47,11 @@ def engine_unavailable(message: str) -> APIError:
     return APIError(503, message, "server_error", None, "engine_unavailable")
 
 
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down; retry on another replica or later", "server_error", None,
+                    "server_shutting_down")
+
+
 def from_exception(e: BaseException) -> APIError:
     if isinstance(e, APIError):
         return e
@@ -55,8 +60,7 @@ def from_exception(e: BaseException) -> APIError:
     if isinstance(e, EngineDeadError):
         return engine_unavailable(str(e))
     if isinstance(e, ShuttingDown):
-        return APIError(503, "the server is shutting down; retry on another replica or later", "server_error",
-                        None, "server_shutting_down")
+        return shutting_down()
     if isinstance(e, RecursionError):
         return invalid("request body: nested too deeply")
     if isinstance(e, PagedError):

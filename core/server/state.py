@@ -9,7 +9,7 @@ from pathlib import Path
 
 from paged.core.config import EngineConfig
 from paged.core.frontend.async_llm import AsyncLLM
-from paged.core.server.errors import APIError, ShuttingDown, engine_unavailable
+from paged.core.server.errors import APIError, ShuttingDown, engine_unavailable, shutting_down
 from paged.core.server.inputs import PromptInputs
 from paged.core.server.metrics import Metrics
 from paged.core.server.streaming import Tokens
@@ -42,7 +42,7 @@ class ServerState:
 
     def require_llm(self) -> AsyncLLM:
         if self.draining:
-            raise ShuttingDown()
+            raise shutting_down()
         llm = self.llm
         if llm is None:
             raise engine_unavailable(self.start_error or "the engine is starting; retry when /health returns 200")
