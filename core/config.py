@@ -86,8 +86,24 @@ class ParallelConfig(_Section):
 class ServerConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    api_key: str | None = None
+    api_key: str | None = Field(None, description="required as `Authorization: Bearer` on every path but /health")
     served_model_name: str | None = None
+    metrics_api_key: str | None = Field(None, description="also accepted on /metrics and /debug/engine")
+    public_metrics: bool = Field(False, description="/metrics answers without a key even when api_key is set")
+    allowed_hosts: list[str] | None = Field(
+        None, description="Host header names accepted (DNS rebinding); default: the bound address "
+        "(plus localhost names on loopback, anything on 0.0.0.0 / ::); ['*'] = any"
+    )
+    max_body_bytes: int = Field(8 << 20, gt=0, description="largest request body")
+    max_n: int = Field(128, gt=0, description="most samples (n) per prompt")
+    max_samples_per_request: int = Field(256, gt=0, description="most n x prompts in one request")
+    max_stop: int = Field(16, gt=0, description="most stop strings, and most stop_token_ids, per request")
+    chat_default_max_tokens: int | None = Field(
+        None, gt=0, description="chat max_tokens when a request sets none (default: up to max_model_len)"
+    )
+    shutdown_grace_s: float = Field(
+        10.0, ge=0, description="on SIGTERM, time in-flight requests get to finish before they are ended"
+    )
 
 
 _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar("paged_config_file", default=None)

@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
 
 from paged.core.errors import InvalidRequestError
+
+# Integers cross the process boundary as msgpack int64; floats become float32 on the device.
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+FLOAT32_MAX = 3.4028234663852886e38
+# Below this a temperature is greedy (as in vLLM): logits / t would overflow float32 to inf/NaN.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass
 class SamplingParams:
     """How to pick each generated token and when to stop.
 
-    temperature 0 means greedy. ``seed`` makes a request's samples reproducible whatever else is
-    in the batch. Stop strings are not included in the returned text.
+    temperature 0 (or below ``GREEDY_TEMPERATURE``, which is then set to 0) means greedy. Every
+    integer fits int64 and every float is finite and within float32. ``seed`` (any integer, kept
+    modulo 2**64) makes a request's samples reproducible whatever else is in the batch. Stop
+    strings are not included in the returned text.
     """
 
     n: int = 1
@@ -40,13 +49,31 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.seed, int) and not isinstance(self.seed, bool):
+            # Any integer is a seed; the sampler's generator reads it modulo 2**64. Kept in int64
+            # range (same residue), so it and seed + sample index cross the process boundary.
+            self.seed = (self.seed - INT64_MIN) % (1 << 64) + INT64_MIN
+        if isinstance(self.temperature, (int, float)) and 0 < self.temperature < GREEDY_TEMPERATURE:
+            self.temperature = 0.0
         self.validate()
 
     def validate(self) -> None:
         def bad(name: str, accepted: str) -> None:
             raise InvalidRequestError(f"{name}: invalid value {getattr(self, name)!r}; {accepted}")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        def is_int(value) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool) and INT64_MIN <= value <= INT64_MAX
+
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or abs(value) > FLOAT32_MAX:
+                bad(name, "must be a finite number within float32 range (|x| <= 3.4e38)")
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs"):
+            value = getattr(self, name)
+            if value is not None and not is_int(value):
+                bad(name, "must be an integer (64-bit)")
+        if not is_int(self.n) or self.n < 1:
             bad("n", "must be an integer >= 1")
         if not 0.0 <= self.temperature:
             bad("temperature", "must be >= 0 (0 means greedy)")
@@ -56,8 +83,6 @@ class SamplingParams:
             bad("top_k", "must be an integer >= 0 (0 or -1 disables it)")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", "must be in [0, 1]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", "must be an integer or None")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             bad("max_tokens", "must be an integer >= 1 or None")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
@@ -66,7 +91,7 @@ class SamplingParams:
             bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be a list of non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of token ids >= 0")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             bad("logprobs", "must be an integer in [0, 20] or None")
@@ -74,8 +99,8 @@ class SamplingParams:
             bad("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             bad("frequency_penalty", "must be in [-2, 2]")
-        if not self.repetition_penalty > 0.0:
-            bad("repetition_penalty", "must be > 0 (1 disables it)")
+        if not 0.01 <= self.repetition_penalty <= 100.0:  # logits are divided by it in float32
+            bad("repetition_penalty", "must be in [0.01, 100] (1 disables it)")
 
     @property
     def greedy(self) -> bool:

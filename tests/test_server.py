@@ -68,10 +68,11 @@ class Server:
         self.proc, self.port, self.log = proc, port, log
         self.url = f"http://127.0.0.1:{port}"
 
-    def get(self, path: str, **kw):
+    def get(self, path: str, key: str | None = API_KEY, **kw):
         import httpx
 
-        return httpx.get(self.url + path, timeout=30, **kw)
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.get(self.url + path, timeout=30, headers={**headers, **kw.pop("headers", {})}, **kw)
 
     def post(self, path: str, body, key: str | None = API_KEY, timeout=120):
         import httpx
@@ -97,9 +98,9 @@ class Server:
 
 
 @contextmanager
-def serve(args: list[str], tmp: Path, port: int):
+def serve(args: list[str], tmp: Path, port: int, env: dict[str, str] | None = None):
     log = tmp / f"serve-{port}.log"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "paged.core.cli", "serve", *args],
                                 stdout=f, stderr=subprocess.STDOUT, env=env)
@@ -227,10 +228,10 @@ def test_health_models_version_auth(server, model_name):
     assert server.get("/health").status_code == 200
     assert server.get("/version").json()["version"]
     assert model_name == Path(server.debug()["model"]["model_dir"]).name
-    r = server.get("/v1/models")  # no key
+    r = server.get("/v1/models", key=None)
     assert r.status_code == 401
     assert r.json()["error"]["code"] == "invalid_api_key"
-    r = server.get("/v1/models", headers={"Authorization": "Bearer wrong"})
+    r = server.get("/v1/models", key="wrong")
     assert r.status_code == 401 and set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 

@@ -209,16 +209,19 @@ class AsyncLLM:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         add_special_tokens: bool = True,
+        prompt_token_ids: list[int] | None = None,
     ) -> RequestStream:
         """Validate and send a request to the core. Raises InvalidRequestError (nothing sent) or
-        EngineDeadError at once; a rejection by the core comes out of the stream."""
+        EngineDeadError at once; a rejection by the core comes out of the stream. A text prompt's
+        ``prompt_token_ids``, when given, were tokenized by the caller (off the event loop)."""
         self._check_alive()
         self._ensure_handler()
         request_id = f"req-{next(self._request_ids)}" if request_id is None else str(request_id)
         if request_id in self.streams:
             raise InvalidRequestError(f"request_id: {request_id!r} is already in use")
         parent, requests = self.input_processor.process(
-            request_id, prompt, params or SamplingParams(), priority, arrival_time, cache_salt, add_special_tokens
+            request_id, prompt, params or SamplingParams(), priority, arrival_time, cache_salt, add_special_tokens,
+            prompt_token_ids,
         )
         stream = RequestStream(self, request_id)
         self.streams[request_id] = stream

@@ -64,11 +64,15 @@ class InputProcessor:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         add_special_tokens: bool = True,
+        prompt_token_ids: list[int] | None = None,
     ) -> tuple[ParentRequest, list[Request]]:
-        """Validate and build the core requests (n of them); raises InvalidRequestError."""
+        """Validate and build the core requests (n of them); raises InvalidRequestError.
+        ``prompt_token_ids``: a text prompt's tokens when the caller has them already."""
         if isinstance(prompt, str):
             text = prompt
-            token_ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+            token_ids = prompt_token_ids
+            if token_ids is None:
+                token_ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
         else:
             text = None
             token_ids = [int(t) for t in prompt]

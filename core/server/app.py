@@ -11,17 +11,17 @@ With ``--data-parallel-size N`` the engine is N core processes behind this one f
 ``cores`` lists each core's own stats plus the front-end's load on it; /metrics adds per-core
 gauges labelled ``dp_rank`` when N > 1.
 
-Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}`` with 400 for an
-invalid request (paged's InvalidRequestError messages, which name the field), 401 for a missing
-or wrong API key (``server.api_key``; only /v1/* is protected), 404 for an unknown model and 503
-while the engine core is not running. The engine starts in the background, so the server
+Errors, every one (unexpected ones too), are OpenAI-shaped: ``{"error": {"message", "type",
+"param", "code"}}`` with 400 for an invalid request (paged's InvalidRequestError messages, which
+name the field), 401 for a missing or wrong API key (see ``guard``), 404 for an unknown model or
+path, 413 for a body over ``server.max_body_bytes``, 415 for a body that is not JSON and 503
+while the engine core is not running or the server is shutting down. The engine starts in the background, so the server
 answers /health (with 503) while the model loads.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from contextlib import asynccontextmanager, suppress
 from typing import Any
@@ -30,6 +30,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from paged.core.config import EngineConfig
 from paged.core.errors import PagedError
@@ -37,6 +38,8 @@ from paged.core.frontend.async_llm import AsyncLLM
 from paged.core.server.chat import chat
 from paged.core.server.completions import completions
 from paged.core.server.errors import APIError, engine_unavailable, from_exception, invalid
+from paged.core.server.guard import Guard, read_json
+from paged.core.server.inputs import PromptInputs
 from paged.core.server.state import ServerState, default_served_model_name
 from paged.core.server.streaming import Tokens, unless_disconnected
 
@@ -53,13 +56,6 @@ class _ModelInfoView(msgspec.Struct):
     def of(cls, llm: AsyncLLM) -> "_ModelInfoView":
         m = llm.model_info
         return cls(m.model_dir, m.max_model_len, m.num_blocks, m.block_size)
-
-
-async def _json(request: Request) -> Any:
-    try:
-        return msgspec.json.decode(await request.body())
-    except msgspec.DecodeError as e:
-        raise invalid(f"request body: invalid JSON ({e})") from None
 
 
 def build_app(config: EngineConfig, start_timeout: float = 600.0, record_trace: str | None = None) -> FastAPI:
@@ -82,6 +78,7 @@ def build_app(config: EngineConfig, start_timeout: float = 600.0, record_trace: 
             llm.trace_recorder = TraceRecorder(record_trace, "paged serve")
             logger.info("recording the served requests as a lab trace in %s", record_trace)
         state.tokens = Tokens(llm.tokenizer)
+        state.inputs = PromptInputs(llm)
         state.llm = llm
         logger.info("serving model %r", state.served_model_name)
 
@@ -94,10 +91,13 @@ def build_app(config: EngineConfig, start_timeout: float = 600.0, record_trace: 
             state.cancel_start.set()
             with suppress(BaseException):
                 await asyncio.wait_for(starter, 30)
+            if state.inputs is not None:
+                state.inputs.close()
             if state.llm is not None:
                 state.llm.shutdown()
 
-    app = FastAPI(title="paged", lifespan=lifespan)
+    # No docs pages: they would be one more unauthenticated surface (and the OpenAI API is documented).
+    app = FastAPI(title="paged", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.paged = state
 
     @app.exception_handler(APIError)
@@ -112,8 +112,18 @@ def build_app(config: EngineConfig, start_timeout: float = 600.0, record_trace: 
     async def _paged_error(request: Request, e: PagedError):
         return from_exception(e).response()
 
-    if config.server.api_key:
-        app.add_middleware(_APIKeyMiddleware, key=config.server.api_key)
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", "invalid_request_error",
+                        None, code).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected_error(request: Request, e: Exception):
+        logger.exception("unexpected error answering %s %s", request.method, request.url.path)
+        return from_exception(e).response()
+
+    app.add_middleware(Guard, server=config.server)
 
     @app.get("/health")
     async def health():
@@ -163,37 +173,18 @@ def build_app(config: EngineConfig, start_timeout: float = 600.0, record_trace: 
         llm = state.require_llm()
         return {"object": "list", "data": [{
             "id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "paged",
-            "root": llm.model_info.model_dir, "max_model_len": llm.model_info.max_model_len,
+            "root": state.served_model_name, "max_model_len": llm.model_info.max_model_len,
         }]}
 
     @app.post("/v1/completions")
     async def completions_route(request: Request):
-        body = await _json(request)
+        body = await read_json(request, config.server.max_body_bytes)
         return await unless_disconnected(request, completions(state, body))
 
     @app.post("/v1/chat/completions")
     async def chat_completions_route(request: Request):
-        body = await _json(request)
+        body = await read_json(request, config.server.max_body_bytes)
         return await unless_disconnected(request, chat(state, body))
 
     return app
 
-
-class _APIKeyMiddleware:
-    """``Authorization: Bearer <server.api_key>`` on /v1/*; a plain ASGI middleware, so that
-    streamed responses and disconnect detection pass through untouched."""
-
-    def __init__(self, app, key: str) -> None:
-        self.app = app
-        self.key = key.encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            scheme, _, token = header.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
-                response = APIError(401, "Incorrect API key provided. Pass it as `Authorization: Bearer <key>`.",
-                                    "invalid_request_error", None, "invalid_api_key").response()
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)

@@ -10,8 +10,8 @@ from fastapi.responses import Response
 from paged.core.errors import InvalidRequestError
 from paged.core.frontend.outputs import CompletionOutput
 from paged.core.server.errors import from_exception, invalid
-from paged.core.server.generation import ChoiceFormat, respond
-from paged.core.server.protocol import ChatCompletionRequest, parse, sampling_params
+from paged.core.server.generation import ChoiceFormat, accept, respond
+from paged.core.server.protocol import ChatCompletionRequest, ChatMessage, check_limits, sampling_params
 from paged.core.server.state import ServerState
 from paged.core.server.streaming import chat_logprobs
 
@@ -35,34 +35,30 @@ class ChatFormat(ChoiceFormat):
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": c.finish_reason}
 
 
-def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages with each ``content`` made a string (text parts joined; null is empty)."""
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """What the chat template sees: role (developer rendered as system) and content as a string
+    (text parts joined; null is empty). Nothing else of a message reaches the template."""
     out = []
     for k, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m:
-            raise invalid(f"messages[{k}]: must be an object with 'role' and 'content'", "messages")
-        content = m.get("content")
+        if m.tool_calls:
+            raise invalid(f"messages[{k}].tool_calls: not supported", "messages")
+        content = m.content
         if isinstance(content, list):
             parts = []
             for part in content:
-                if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                if part.get("type") == "text" and isinstance(part.get("text"), str) and set(part) == {"type", "text"}:
                     parts.append(part["text"])
                 else:
-                    raise invalid(f"messages[{k}].content: only text parts are supported", "messages")
+                    raise invalid(f"messages[{k}].content: only text parts ({{'type': 'text', 'text': ...}}) "
+                                  "are supported", "messages")
             content = "".join(parts)
-        elif content is None:
-            content = ""
-        elif not isinstance(content, str):
-            raise invalid(f"messages[{k}].content: must be a string or a list of text parts", "messages")
-        out.append({**m, "content": content})
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
     return out
 
 
 async def chat(state: ServerState, body: Any) -> Response:
     try:
-        req: ChatCompletionRequest = parse(ChatCompletionRequest, body)
-        llm = state.require_llm()
-        state.check_model(req.model)
+        req: ChatCompletionRequest = accept(state, ChatCompletionRequest, body)
         if req.tools:
             raise invalid("tools: not supported", "tools")
         if req.tool_choice not in (None, "none"):
@@ -71,6 +67,7 @@ async def chat(state: ServerState, body: Any) -> Response:
             raise invalid("response_format: only {'type': 'text'} is supported", "response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise invalid("top_logprobs: requires logprobs to be true", "top_logprobs")
+        check_limits(req, state.config.server, 1)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         try:
@@ -82,9 +79,9 @@ async def chat(state: ServerState, body: Any) -> Response:
             raise
         if not req.messages:
             raise invalid("messages: must not be empty", "messages")
-        prompt = llm.apply_chat_template(chat_messages(req.messages))
+        prompt = await state.inputs.render_chat(chat_messages(req.messages))
     except Exception as e:
         return from_exception(e).response()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await respond(state, ChatFormat(state.tokens), f"chatcmpl-{uuid.uuid4().hex}", [prompt], params,
-                         req.priority, False, req.stream, include_usage)
+                         req.priority, False, req.stream, include_usage, state.config.server.chat_default_max_tokens)

@@ -9,8 +9,8 @@ from fastapi.responses import Response
 
 from paged.core.frontend.outputs import CompletionOutput
 from paged.core.server.errors import from_exception, invalid
-from paged.core.server.generation import ChoiceFormat, respond
-from paged.core.server.protocol import CompletionRequest, parse, sampling_params
+from paged.core.server.generation import ChoiceFormat, accept, respond
+from paged.core.server.protocol import CompletionRequest, check_limits, sampling_params
 from paged.core.server.state import ServerState
 from paged.core.server.streaming import completion_logprobs
 
@@ -43,22 +43,23 @@ def prompt_list(prompt: Any) -> list[str | list[int]]:
         raise invalid("prompt: must not be empty")
     if isinstance(prompt[0], int):
         return [prompt]
+    if any(not p for p in prompt):
+        raise invalid("prompt: must not contain an empty prompt")
     return list(prompt)
 
 
 async def completions(state: ServerState, body: Any) -> Response:
     try:
-        req: CompletionRequest = parse(CompletionRequest, body)
-        state.require_llm()
-        state.check_model(req.model)
+        req: CompletionRequest = accept(state, CompletionRequest, body)
         if req.echo:
             raise invalid("echo: not supported", "echo")
         if req.suffix:
             raise invalid("suffix: not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise invalid(f"best_of: only best_of == n is supported (got {req.best_of}, n={req.n})", "best_of")
-        params = sampling_params(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
         prompts = prompt_list(req.prompt)
+        check_limits(req, state.config.server, len(prompts))
+        params = sampling_params(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
     except Exception as e:
         return from_exception(e).response()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

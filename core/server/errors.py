@@ -28,6 +28,10 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
+class ShuttingDown(Exception):
+    """Ends every open request stream when the shutdown grace period is over."""
+
+
 _PARAM = re.compile(r"^([A-Za-z_][A-Za-z0-9_.\[\]]*)(?::| \()")
 
 
@@ -43,6 +47,11 @@ def engine_unavailable(message: str) -> APIError:
     return APIError(503, message, "server_error", None, "engine_unavailable")
 
 
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down; retry on another replica or later", "server_error", None,
+                    "server_shutting_down")
+
+
 def from_exception(e: BaseException) -> APIError:
     if isinstance(e, APIError):
         return e
@@ -50,6 +59,10 @@ def from_exception(e: BaseException) -> APIError:
         return invalid(str(e))
     if isinstance(e, EngineDeadError):
         return engine_unavailable(str(e))
+    if isinstance(e, ShuttingDown):
+        return shutting_down()
+    if isinstance(e, RecursionError):
+        return invalid("request body: nested too deeply")
     if isinstance(e, PagedError):
         return APIError(500, str(e), "server_error")
     return APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error")

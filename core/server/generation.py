@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from paged.core.frontend.outputs import CompletionOutput, RequestOutput
 from paged.core.sampling_params import SamplingParams
 from paged.core.server.errors import from_exception
+from paged.core.server.protocol import parse
 from paged.core.server.state import ServerState
 from paged.core.server.streaming import DONE, EventStream, Tokens, first_or_error, merged, sse, usage
 
@@ -38,15 +39,31 @@ class ChoiceFormat:
         raise NotImplementedError
 
 
+def accept(state: ServerState, request_type: type, body: Any) -> Any:
+    """The parsed request, if the engine runs and the request names the served model."""
+    req = parse(request_type, body)
+    state.require_llm()
+    state.check_model(req.model)
+    return req
+
+
 async def start(state: ServerState, request_id: str, prompts: list, params: SamplingParams, priority: int,
-                add_special_tokens: bool) -> list:
-    """One engine request per prompt (each with ``params.n`` samples); all closed if one fails."""
+                add_special_tokens: bool, default_max_tokens: int | None = None) -> list:
+    """One engine request per prompt (each with ``params.n`` samples); all closed if one fails.
+    Text prompts are tokenized off the event loop first. ``default_max_tokens`` caps a request
+    that sets no max_tokens (at what still fits in max_model_len after the prompt)."""
+    token_ids = await state.inputs.tokenize(prompts, add_special_tokens)
     llm = state.require_llm()
     streams = []
     try:
         for i, prompt in enumerate(prompts):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            streams.append(await llm.add_request(rid, prompt, params, priority, add_special_tokens=add_special_tokens))
+            prompt_params = params
+            if params.max_tokens is None and default_max_tokens is not None:
+                room = llm.model_info.max_model_len - len(prompt if token_ids[i] is None else token_ids[i])
+                prompt_params = params.copy(max_tokens=max(1, min(default_max_tokens, room)))
+            streams.append(await llm.add_request(rid, prompt, prompt_params, priority,
+                                                 add_special_tokens=add_special_tokens, prompt_token_ids=token_ids[i]))
     except BaseException:
         for s in streams:
             s.close()
@@ -55,15 +72,16 @@ async def start(state: ServerState, request_id: str, prompts: list, params: Samp
 
 
 async def respond(state: ServerState, fmt: ChoiceFormat, request_id: str, prompts: list, params: SamplingParams,
-                  priority: int, add_special_tokens: bool, stream: bool, include_usage: bool) -> Response:
+                  priority: int, add_special_tokens: bool, stream: bool, include_usage: bool,
+                  default_max_tokens: int | None = None) -> Response:
     try:
-        streams = await start(state, request_id, prompts, params, priority, add_special_tokens)
+        streams = await start(state, request_id, prompts, params, priority, add_special_tokens, default_max_tokens)
     except Exception as e:
         return from_exception(e).response()
     head = {"id": request_id, "object": fmt.object_name, "created": int(time.time()),
             "model": state.served_model_name}
     n = params.n
-    it = merged(streams)
+    it = merged(streams, state.open_merges)
 
     if not stream:
         final: dict[int, RequestOutput] = {}

@@ -1,17 +1,23 @@
-"""Request bodies of the OpenAI API (pydantic models) and their translation to SamplingParams."""
+"""Request bodies of the OpenAI API (strict pydantic models, as strict as OpenAI's own parser:
+no coercion, so ``"stream": "yes"`` and ``"prompt": [true]`` are errors), the server's request
+limits, and the translation to SamplingParams."""
 
 from __future__ import annotations
 
-from typing import Any
+import reprlib
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from paged.core.sampling_params import SamplingParams
+from paged.core.config import ServerConfig
+from paged.core.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from paged.core.server.errors import invalid
+
+_STRICT = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
@@ -19,7 +25,7 @@ class StreamOptions(BaseModel):
 class CommonRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
     model: str | None = None
     n: int = 1
     max_tokens: int | None = None
@@ -41,10 +47,10 @@ class CommonRequest(BaseModel):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: int = 0
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     # OpenAI fields accepted and ignored (they change nothing here)
     user: str | None = None
-    metadata: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
 
@@ -57,8 +63,21 @@ class CompletionRequest(CommonRequest):
     best_of: int | None = None
 
 
+class ChatMessage(BaseModel):
+    """One message. ``developer`` is OpenAI's newer name for ``system`` and is rendered as one.
+    The fields a client echoes back from an assistant message are accepted and not rendered."""
+
+    model_config = _STRICT
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[Any] | None = None
+    refusal: str | None = None
+
+
 class ChatCompletionRequest(CommonRequest):
-    messages: list[dict[str, Any]]
+    messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -69,6 +88,15 @@ class ChatCompletionRequest(CommonRequest):
     modalities: list[str] | None = None
 
 
+_short = reprlib.Repr()
+_short.maxlevel, _short.maxstring, _short.maxother, _short.maxlong = 3, 60, 60, 40
+
+
+def short_repr(value: Any) -> str:
+    """A bounded repr for error messages (the value may be huge or deeply nested)."""
+    return _short.repr(value)
+
+
 def parse(model: type[BaseModel], body: Any) -> Any:
     """Validate a decoded JSON body; the first pydantic error becomes a 400 naming its field."""
     if not isinstance(body, dict):
@@ -76,15 +104,30 @@ def parse(model: type[BaseModel], body: Any) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        first = e.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"]) or "body"
+        first = e.errors(include_url=False)[0]
+        # Drop the union-member tags pydantic puts in the location ("prompt.list[int].0").
+        loc = [str(p) for p in first["loc"] if isinstance(p, int) or p.isidentifier()]
+        where = ".".join(loc) or "body"
         if first["type"] == "extra_forbidden":
-            msg = f"{loc}: unrecognized request argument"
+            msg = f"{where}: unrecognized request argument"
         elif first["type"] == "missing":
-            msg = f"{loc}: required"
+            msg = f"{where}: required"
         else:
-            msg = f"{loc}: {first['msg']} (got {first.get('input')!r})"
-        raise invalid(msg, str(first["loc"][0]) if first["loc"] else None) from None
+            msg = f"{where}: {first['msg']} (got {short_repr(first.get('input'))})"
+        raise invalid(msg, loc[0] if loc else None) from None
+
+
+def check_limits(req: CommonRequest, limits: ServerConfig, num_prompts: int) -> None:
+    """The server's caps on what one request may ask for, checked before anything is built."""
+    if req.n > limits.max_n:
+        raise invalid(f"n: invalid value {req.n}; at most {limits.max_n} (server.max_n)")
+    if req.n > 0 and req.n * num_prompts > limits.max_samples_per_request:
+        raise invalid(f"n: n x prompts = {req.n} x {num_prompts} exceeds {limits.max_samples_per_request} "
+                      "(server.max_samples_per_request)")
+    for name in ("stop", "stop_token_ids"):
+        value = getattr(req, name)
+        if isinstance(value, list) and len(value) > limits.max_stop:
+            raise invalid(f"{name}: {len(value)} entries; at most {limits.max_stop} (server.max_stop)")
 
 
 def sampling_params(req: CommonRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:

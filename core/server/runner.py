@@ -1,4 +1,8 @@
-"""Running the app under uvicorn: bind first, then load the model in the background."""
+"""Running the app under uvicorn: bind first, then load the model in the background.
+
+Shutdown (SIGINT/SIGTERM): stop accepting, let in-flight requests finish for
+``server.shutdown_grace_s``, then end each one still open (a streamed one with an error event and
+``[DONE]``, a non-streamed one with a 503), then stop the engine."""
 
 from __future__ import annotations
 
@@ -20,7 +24,15 @@ def _uvicorn_server_class():
 
     class Server(uvicorn.Server):
         """uvicorn's server, except that SIGINT/SIGTERM end it with a graceful shutdown and exit
-        code 0 (uvicorn re-raises the signal afterwards, which would turn SIGINT into a traceback)."""
+        code 0 (uvicorn re-raises the signal afterwards, which would turn SIGINT into a traceback)
+        that drains the app's requests first."""
+
+        state = None  # the app's ServerState
+
+        async def shutdown(self, sockets=None) -> None:
+            if self.state is not None:
+                self.state.begin_shutdown(self.state.config.server.shutdown_grace_s)
+            await super().shutdown(sockets)
 
         @contextmanager
         def capture_signals(self):
@@ -58,9 +70,12 @@ def run_server(config: EngineConfig, *, access_log: bool = False, log_level: str
     sock.set_inheritable(True)
     port = sock.getsockname()[1]
     app = build_app(config, start_timeout=start_timeout, record_trace=record_trace)
+    # uvicorn cancels what is still running after its own timeout: give the ended requests time
+    # to send their last event first (a cancelled handler would log a CancelledError traceback).
     uv_config = uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="on",
-                               timeout_graceful_shutdown=10)
+                               timeout_graceful_shutdown=config.server.shutdown_grace_s + 10)
     server = _uvicorn_server_class()(uv_config)
+    server.state = app.state.paged
     app.state.paged.uvicorn_server = server
     shown = f"[{host}]" if ":" in host else host
     logger.info("listening on http://%s:%d (OpenAI API under /v1)", shown, port)

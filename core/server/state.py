@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from pathlib import Path
 
 from paged.core.config import EngineConfig
 from paged.core.frontend.async_llm import AsyncLLM
-from paged.core.server.errors import APIError, engine_unavailable
+from paged.core.server.errors import APIError, ShuttingDown, engine_unavailable, shutting_down
+from paged.core.server.inputs import PromptInputs
 from paged.core.server.metrics import Metrics
 from paged.core.server.streaming import Tokens
 
@@ -24,8 +26,23 @@ class ServerState:
         self.created = int(time.time())
         self.uvicorn_server = None  # set by run_server, to stop when the engine cannot start
         self.tokens: Tokens | None = None
+        self.inputs: PromptInputs | None = None
+        self.draining = False  # SIGTERM came: new requests get 503, open ones may finish
+        self.open_merges: set[asyncio.Queue] = set()  # one per request being answered
+
+    def begin_shutdown(self, grace_s: float) -> None:
+        """Refuse new requests; after ``grace_s`` end the open ones (error event, then [DONE])."""
+        self.draining = True
+
+        def end_open_requests() -> None:
+            for queue in list(self.open_merges):
+                queue.put_nowait((-1, ShuttingDown()))
+
+        asyncio.get_running_loop().call_later(grace_s, end_open_requests)
 
     def require_llm(self) -> AsyncLLM:
+        if self.draining:
+            raise shutting_down()
         llm = self.llm
         if llm is None:
             raise engine_unavailable(self.start_error or "the engine is starting; retry when /health returns 200")

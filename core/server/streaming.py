@@ -67,39 +67,38 @@ def sse(data: Any) -> bytes:
 DONE = b"data: [DONE]\n\n"
 
 
-async def merged(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from several request streams as they come; closes them all on exit."""
-    try:
-        if len(streams) == 1:
-            async for out in streams[0]:
-                yield 0, out
-            return
-        queue: asyncio.Queue = asyncio.Queue()
+async def merged(streams: list, open_merges: set | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several request streams as they come; closes them all on exit.
+    While it runs, its queue is in ``open_merges``: putting ``(-1, ShuttingDown())`` there ends it."""
+    queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(i: int, stream) -> None:
-            try:
-                async for out in stream:
-                    queue.put_nowait((i, out))
-            except BaseException as e:  # noqa: BLE001 - handed to the consumer
-                queue.put_nowait((i, e))
-            finally:
-                queue.put_nowait((i, None))
-
-        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    async def pump(i: int, stream) -> None:
         try:
-            remaining = len(streams)
-            while remaining:
-                i, item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield i, item
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, e))
         finally:
-            for t in tasks:
-                t.cancel()
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    if open_merges is not None:
+        open_merges.add(queue)
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
     finally:
+        if open_merges is not None:
+            open_merges.discard(queue)
+        for t in tasks:
+            t.cancel()
         for s in streams:
             s.close()
 
