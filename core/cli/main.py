@@ -69,8 +69,14 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         print(f"{p['name']}  [{p['status']}]  ({dist})")
         for kind, names in p["provides"].items():
             print(f"    {kind}: {', '.join(names)}")
+        for conflict in p["conflicts"]:
+            print(f"    conflict: {conflict}; commands that select it fail until one plugin is disabled")
         if p["error"]:
             print(f"    error: {p['error']}")
+            if args.verbose and p["traceback"]:
+                print("    " + p["traceback"].rstrip().replace("\n", "\n    "))
+    if not args.verbose and any(p["traceback"] for p in infos):
+        print("(paged plugins --verbose shows the tracebacks)")
     return 0
 
 
@@ -336,7 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
 
     plugins = sub.add_parser("plugins", parents=[common], help="list discovered plugins and what they provide")
-    plugins.add_argument("--json", action="store_true")
+    plugins.add_argument("--json", action="store_true", help="one JSON document (with tracebacks)")
+    plugins.add_argument("-v", "--verbose", action="store_true", help="show the traceback of each failed plugin")
     plugins.set_defaults(func=cmd_plugins)
 
     serve = sub.add_parser("serve", parents=[common],
