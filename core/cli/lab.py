@@ -46,23 +46,9 @@ class _PolicyAction(argparse.Action):
 def _add_engine_flags_without_policy(parser: argparse.ArgumentParser) -> None:
     """The engine flags of ``paged run`` but --policy / --policy-option, which the lab takes per
     replay, and the server's."""
-    from paged.core.cli.main import _CFG
-    from paged.core.config import config_flags
+    from paged.core.cli.flags import add_engine_flags
 
-    group = parser.add_argument_group("engine settings (also settable by --config FILE or PAGED_* env)")
-    group.add_argument("--config", dest="config_file", metavar="FILE", help="TOML or YAML config file")
-    for flag in config_flags():
-        if (flag.section, flag.field) == ("scheduler", "policy") or flag.section == "server":
-            continue
-        dest = f"{_CFG}{flag.section or ''}.{flag.field}"
-        if flag.annotation is bool:
-            group.add_argument(f"--{flag.name}", dest=dest, action=argparse.BooleanOptionalAction,
-                               default=argparse.SUPPRESS, help=flag.help)  # fmt: skip
-        else:
-            group.add_argument(f"--{flag.name}", dest=dest, default=argparse.SUPPRESS, help=flag.help,
-                               metavar=flag.field.upper())  # fmt: skip
-    group.add_argument("--attention-option", action="append", metavar="KEY=VALUE",
-                       help="an option of the selected attention backend (repeatable)")  # fmt: skip
+    add_engine_flags(parser, skip=("server", "scheduler.policy"))
 
 
 def _config(args: argparse.Namespace):
@@ -84,7 +70,7 @@ def add_lab_parser(sub, common: argparse.ArgumentParser) -> None:
     from paged.core.cli.main import add_engine_flags
 
     lab = sub.add_parser("lab", help="policy lab: record, replay and compare scheduling policies on traces",
-                         description=__doc__.split("\n\n")[0])  # fmt: skip
+                         description=__doc__.split("\n\n")[0].replace("``", "`"))  # fmt: skip
     labsub = lab.add_subparsers(dest="lab_command", required=True)
 
     gen = labsub.add_parser("gen", parents=[common], help="write a seeded synthetic trace")

@@ -100,13 +100,20 @@ def cache_key(gguf_path: Path) -> str:
     return f"{stem}-{st.st_size}-{st.st_mtime_ns}-c{CONVERTER_VERSION}"
 
 
-def converted_model_dir(gguf_path: str | Path) -> Path:
-    """The cached HF directory for ``gguf_path``, converting it if needed."""
+def conversion_target(gguf_path: str | Path) -> tuple[Path, bool]:
+    """Where ``gguf_path``'s conversion is cached, and whether it is there already."""
     gguf_path = Path(gguf_path).expanduser().resolve()
     if not gguf_path.is_file():
         raise ModelLoadError(f"model: GGUF file {str(gguf_path)!r} does not exist")
     target = cache_dir() / "gguf" / cache_key(gguf_path)
-    if (target / _MARKER).is_file():
+    return target, (target / _MARKER).is_file()
+
+
+def converted_model_dir(gguf_path: str | Path) -> Path:
+    """The cached HF directory for ``gguf_path``, converting it if needed."""
+    gguf_path = Path(gguf_path).expanduser().resolve()
+    target, done = conversion_target(gguf_path)
+    if done:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(target.with_name(target.name + ".lock")):
