@@ -125,9 +125,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     items = _read_prompts(args)
     defaults: dict[str, Any] = {"temperature": 0.0, "max_tokens": 128}
     defaults.update(sampling_overrides(args))
-    params = _sampling_params(items, defaults)  # bad sampling flags fail before the model loads
+    _sampling_params(items, defaults)  # bad sampling flags fail before the model loads
     engine = LLMEngine(config)
     try:
+        # greedy unless --temperature; the model's generation_config fills the fields nobody set
+        params = _sampling_params(items, {**engine.default_sampling, **defaults})
         return _run_prompts(args, engine, items, params)
     finally:
         engine.shutdown()
