@@ -10,7 +10,6 @@ admitted in the same step, hit them).
 from __future__ import annotations
 
 import itertools
-import logging
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -22,7 +21,6 @@ from paged.core.frontend.processor import InputProcessor, OutputProcessor
 from paged.core.engine.request import RequestStatus
 from paged.core.sampling_params import SamplingParams
 
-logger = logging.getLogger("paged")
 
 @dataclass
 class EngineStats:
@@ -48,8 +46,7 @@ def check_offline_parallelism(config: EngineConfig) -> None:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, registry=None) -> None:
-        from paged.core.loading.generation_config import describe as describe_generation_defaults
-        from paged.core.loading.generation_config import generation_defaults
+        from paged.core.loading.generation_config import load_generation_defaults
         from paged.core.loading.loader import load_tokenizer
 
         check_offline_parallelism(config)
@@ -58,8 +55,7 @@ class LLMEngine:
         self.model_info = self.core.model_info
         self.tokenizer = load_tokenizer(config.model.tokenizer or self.model_info.model_dir)
         # the model's generation_config.json sampling, for requests that leave those fields unset
-        self.default_sampling = generation_defaults(self.model_info.model_dir)
-        logger.info("%s", describe_generation_defaults(self.default_sampling))
+        self.default_sampling = load_generation_defaults(self.model_info.model_dir)
         self.input_processor = InputProcessor(self.tokenizer, self.model_info)
         self.output_processor = OutputProcessor()
         self.stats = EngineStats()

@@ -61,3 +61,10 @@ def describe(defaults: dict[str, Any]) -> str:
         return "sampling defaults: SamplingParams' own (the model has no generation_config.json sampling fields)"
     fields = ", ".join(f"{k}={v}" for k, v in sorted(defaults.items()))
     return f"sampling defaults from the model's generation_config.json (for fields a request leaves unset): {fields}"
+
+
+def load_generation_defaults(model_dir: str | Path) -> dict[str, Any]:
+    """``generation_defaults``, logged at start-up so the effective defaults are visible."""
+    defaults = generation_defaults(model_dir)
+    logger.info("%s", describe(defaults))
+    return defaults
