@@ -89,3 +89,29 @@ def test_readme_chat_question_with_the_default_sampling():
     assert greedy[0].outputs[0].text == "The capital of France is Paris."
     # fails by chance with p ~ 0.002 at the measured 0.6
     assert sum("Paris" in t for t in sampled) >= 8, sampled
+
+
+def test_server_requests_get_the_model_defaults_for_unset_fields(monkeypatch):
+    """completions and chat build their SamplingParams over AsyncLLM.default_sampling."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from paged.core.server import chat as chat_module
+    from paged.core.server import completions as completions_module
+
+    seen = []
+
+    async def capture(state, fmt, request_id, prompts, params, *rest):
+        seen.append(params)
+        return None
+
+    llm = SimpleNamespace(default_sampling={"temperature": 0.2, "top_p": 0.9, "max_tokens": 7},
+                          apply_chat_template=lambda messages: "chat prompt", tokenizer=None)
+    state = SimpleNamespace(require_llm=lambda: llm, check_model=lambda model: None, tokens=None,
+                            config=SimpleNamespace(server=SimpleNamespace(chat_default_max_tokens=None)))
+    for module in (completions_module, chat_module):
+        monkeypatch.setattr(module, "respond", capture)
+    asyncio.run(completions_module.completions(state, {"prompt": "Hello"}))
+    asyncio.run(completions_module.completions(state, {"prompt": "Hello", "temperature": 1.0, "max_tokens": 3}))
+    asyncio.run(chat_module.chat(state, {"messages": [{"role": "user", "content": "Hi"}]}))
+    assert [(p.temperature, p.top_p, p.max_tokens) for p in seen] == [(0.2, 0.9, 7), (1.0, 0.9, 3), (0.2, 0.9, 7)]

@@ -49,7 +49,7 @@ def prompt_list(prompt: Any) -> list[str | list[int]]:
 async def completions(state: ServerState, body: Any) -> Response:
     try:
         req: CompletionRequest = parse(CompletionRequest, body)
-        state.require_llm()
+        defaults = state.require_llm().default_sampling  # the model's generation_config.json
         state.check_model(req.model)
         if req.echo:
             raise invalid("echo: not supported", "echo")
@@ -57,7 +57,8 @@ async def completions(state: ServerState, body: Any) -> Response:
             raise invalid("suffix: not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise invalid(f"best_of: only best_of == n is supported (got {req.best_of}, n={req.n})", "best_of")
-        params = sampling_params(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
+        max_tokens = defaults.get("max_tokens", 16) if req.max_tokens is None else req.max_tokens
+        params = sampling_params(req, max_tokens, req.logprobs, defaults)
         prompts = prompt_list(req.prompt)
     except Exception as e:
         return from_exception(e).response()
