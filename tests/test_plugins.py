@@ -215,7 +215,7 @@ def test_installed_example_plugin_is_listed_and_selectable(example_plugin_site):
     assert proc.returncode == 0, proc.stderr
     config = json.loads(proc.stdout)
     assert config["scheduler"]["policy"] == "shortest-first"
-    assert config["scheduler"]["policy_options"] == {"tokens_per_s": "3"}
+    assert config["scheduler"]["policy_options"] == {"tokens_per_s": 3.0}  # typed by the options model
     bad = _paged(["config", "--policy=shortest-first", "--policy-option", "tokens_per_s=-2"], env)
     assert bad.returncode == 2 and "scheduler.policy_options.tokens_per_s" in bad.stderr
     # Without the plugin on the path, the same selection is a clear error.
