@@ -93,11 +93,11 @@ def _bash(command: str, cwd: Path, env: dict[str, str], timeout: float = 600) ->
     return proc
 
 
-def _wait_healthy(port: int, server: subprocess.Popen, timeout: float = 300) -> None:
+def _wait_healthy(port: int, server: subprocess.Popen, log: Path, timeout: float = 900) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise AssertionError(f"the server exited with {server.returncode}: {server.stderr.read()[-3000:]}")
+            raise AssertionError(f"the server exited with {server.returncode}: {log.read_text()[-3000:]}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                 if r.status == 200:
@@ -105,7 +105,7 @@ def _wait_healthy(port: int, server: subprocess.Popen, timeout: float = 300) -> 
         except OSError:
             pass
         time.sleep(0.5)
-    raise AssertionError("the server did not become healthy")
+    raise AssertionError(f"the server did not become healthy: {log.read_text()[-3000:]}")
 
 
 def run_block(commands: list[str], cwd: Path) -> list[str]:
@@ -125,9 +125,11 @@ def run_block(commands: list[str], cwd: Path) -> list[str]:
                 continue
             if prepared.startswith("paged serve"):
                 port = _free_port()
-                server = subprocess.Popen(["bash", "-c", f"exec {prepared} --port {port}"], cwd=cwd, env=env,
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
-                _wait_healthy(port, server)
+                log = cwd / f"server-{port}.log"  # a file, not a pipe nobody reads while it fills
+                with open(log, "w") as log_file:
+                    server = subprocess.Popen(["bash", "-c", f"exec {prepared} --port {port}"], cwd=cwd, env=env,
+                                              stdout=log_file, stderr=subprocess.STDOUT)  # fmt: skip
+                _wait_healthy(port, server, log)
                 continue
             if port is not None:
                 prepared = prepared.replace("localhost:8000", f"localhost:{port}")
