@@ -372,17 +372,26 @@ def load() -> Callable[..., None] | None:
 
         _ensure_ninja()
         name = _build_name()
+        build_directory = _build_directory(name)
+        built = os.path.exists(os.path.join(build_directory, f"{name}.so"))
+        if not built:  # say why the first start pauses (the build is cached for later runs)
+            logger.info("compiling the CPU paged-decode kernel (once per machine and torch version, "
+                        "usually 10-60 s) into %s", build_directory)
         start = time.perf_counter()
         cpp_extension.load_inline(
             name,
             cpp_sources=_SOURCE,
             extra_cflags=_CFLAGS,
             extra_ldflags=["-fopenmp"],  # libgomp: resolves to the copy torch has already loaded
-            build_directory=_build_directory(name),
+            build_directory=build_directory,
             no_implicit_headers=True,
             is_python_module=False,  # loaded with torch.ops.load_library; the op registers itself
         )
-        logger.debug("CPU paged-decode kernel ready in %.1f s", time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        if built:
+            logger.debug("CPU paged-decode kernel loaded in %.1f s", elapsed)
+        else:
+            logger.info("compiled the CPU paged-decode kernel in %.1f s", elapsed)
         return torch.ops.paged_cpu.paged_decode
     except Exception as e:  # noqa: BLE001 -- no compiler, no ninja, unwritable cache, ...: never fatal
         logger.warning("CPU paged-decode kernel unavailable, the torch backend gathers K/V instead: %s", e)

@@ -13,7 +13,9 @@ loaded plugins by ``resolve_plugins``.
 from __future__ import annotations
 
 import contextvars
+import difflib
 import json
+import logging
 import os
 import tomllib
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from paged.core.errors import ConfigError
 
+logger = logging.getLogger("paged")
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -33,8 +36,10 @@ class _Section(BaseModel):
 
 class ModelConfig(_Section):
     model: str | None = Field(
-        None, description="HF model directory or .gguf file; unset = the embedded SmolLM2-135M-Instruct"
+        None, description="HF model directory, .gguf file or hub id (org/name); unset = the embedded "
+        "SmolLM2-135M-Instruct",
     )
+    revision: str | None = Field(None, description="hub revision (branch, tag or commit) of a hub model id")
     tokenizer: str | None = Field(None, description="tokenizer directory (default: the model's)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="weights and activations; auto = the checkpoint's dtype on GPU, float32 on CPU"
@@ -47,12 +52,12 @@ class ModelConfig(_Section):
 
 class CacheConfig(_Section):
     block_size: int = Field(16, description="tokens per KV block (a power of two, 1..256)")
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of prompts' common prefixes")
     kv_cache_memory_gib: float | None = Field(
         None, gt=0, description="KV budget on a CPU, GiB (default 1.0); on a GPU see gpu_memory_utilization"
     )
     num_blocks: int | None = Field(None, gt=0, description="force the number of KV blocks (tests, experiments)")
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="share of GPU memory paged may use (KV cache sizing)")
 
     @field_validator("block_size")
     @classmethod
@@ -68,7 +73,7 @@ class SchedulerConfig(_Section):
     max_num_seqs: int = Field(128, gt=0, description="most requests running at once")
     max_num_batched_tokens: int = Field(2048, gt=0, description="token budget of one step")
     long_prefill_token_threshold: int = Field(0, ge=0, description="cap of one prefill chunk; 0 = no cap")
-    enable_chunked_prefill: bool = True
+    enable_chunked_prefill: bool = Field(True, description="split long prompts over steps to fit the token budget")
 
 
 class AttentionConfig(_Section):
@@ -84,10 +89,10 @@ class ParallelConfig(_Section):
 
 
 class ServerConfig(_Section):
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    api_key: str | None = Field(None, description="required as `Authorization: Bearer` on every path but /health")
-    served_model_name: str | None = None
+    host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0: every interface)")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on")
+    api_key: str | None = Field(None, description="require 'Authorization: Bearer KEY' on every request")
+    served_model_name: str | None = Field(None, description="the model name clients send (default: the model's)")
     metrics_api_key: str | None = Field(None, description="also accepted on /metrics and /debug/engine")
     public_metrics: bool = Field(False, description="/metrics answers without a key even when api_key is set")
     allowed_hosts: list[str] | None = Field(
@@ -148,7 +153,7 @@ class EngineConfig(BaseSettings):
         nested_model_default_partial_update=True,
     )
 
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = a CUDA GPU when there is one, else the CPU")
     model: ModelConfig = Field(default_factory=ModelConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
@@ -164,6 +169,36 @@ class EngineConfig(BaseSettings):
         return self.model_dump(mode="json")
 
 
+# PAGED_* variables read elsewhere than the config (anything else PAGED_* should be a setting)
+OTHER_ENV_VARS = ("PAGED_PLUGINS", "PAGED_DISABLE_PLUGINS", "PAGED_CACHE_DIR", "PAGED_REQUIRE_MODEL")
+
+
+def config_keys() -> list[str]:
+    """Every settable key, dotted: ``device``, ``scheduler.policy``, ... (sections too)."""
+    keys = []
+    for name, info in EngineConfig.model_fields.items():
+        keys.append(name)
+        section = info.annotation
+        if isinstance(section, type) and issubclass(section, BaseModel):
+            keys += [f"{name}.{field}" for field in section.model_fields]
+    return keys
+
+
+def _closest_key(key: str) -> str | None:
+    candidates = config_keys()
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    if close:
+        return close[0]
+    # a field named without its section, or misspelled: "policy" / "polcy" -> "scheduler.policy"
+    by_leaf = {c.rpartition(".")[2]: c for c in reversed(candidates)}
+    close = difflib.get_close_matches(key.rpartition(".")[2], list(by_leaf), n=1, cutoff=0.75)
+    return by_leaf[close[0]] if close else None
+
+
+def _env_name(key: str) -> str:
+    return "PAGED_" + key.replace(".", "__").upper()
+
+
 def format_validation_error(error: ValidationError, prefix: str = "") -> str:
     lines = []
     for item in error.errors():
@@ -174,8 +209,39 @@ def format_validation_error(error: ValidationError, prefix: str = "") -> str:
         msg = item["msg"]
         if item["type"] == "extra_forbidden":
             msg = "unknown setting"
+            if not prefix:  # an EngineConfig key (plugin options are checked by their own models)
+                close = _closest_key(loc)
+                if _env_name(loc) in os.environ:  # most likely where it came from
+                    msg += f" (environment variable {_env_name(loc)})"
+                    close = close and _env_name(close)
+                msg += f"; did you mean {close}?" if close else ""
         lines.append(f"{loc}: {msg}{shown}")
     return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def check_environment(environ: dict[str, str] | None = None) -> list[str]:
+    """Warn about ``PAGED_*`` variables that set nothing (a typo would otherwise be silently
+    ignored: pydantic-settings only reads the names it knows); returns the warnings."""
+    environ = os.environ if environ is None else environ
+    known = {_env_name(k) for k in config_keys()} | set(OTHER_ENV_VARS)
+    options = ("PAGED_SCHEDULER__POLICY_OPTIONS__", "PAGED_ATTENTION__OPTIONS__")
+    warnings = []
+    for name in sorted(environ):
+        if not name.startswith("PAGED_") or name in known or name.startswith(options):
+            continue
+        if name.startswith(tuple(f"{_env_name(s)}__" for s in EngineConfig.model_fields)):
+            continue  # PAGED_SECTION__FIELD: an unknown field is a validation error with its own hint
+        close = difflib.get_close_matches(name, OTHER_ENV_VARS, n=1, cutoff=0.8)
+        key = None if close else _closest_key(name[len("PAGED_"):].lower().replace("__", "."))
+        hint = f"; did you mean {close[0] if close else _env_name(key)}?" if close or key else ""
+        warnings.append(f"environment variable {name} is not a paged setting and is ignored{hint}")
+        if name not in _warned_env:
+            _warned_env.add(name)
+            logger.warning("%s", warnings[-1])
+    return warnings
+
+
+_warned_env: set[str] = set()  # each unknown variable is warned about once per process
 
 
 def for_child_process(config: "EngineConfig") -> tuple[bytes, dict[str, str]]:
@@ -192,6 +258,7 @@ def load_config(config_file: str | Path | None = None, overrides: dict[str, Any]
     """Build the effective config. ``overrides`` (nested dict, from CLI flags or ``LLM(**kw)``)
     win over the environment, which wins over the file."""
     token = _config_file.set(Path(config_file) if config_file is not None else None)
+    check_environment()
     try:
         return EngineConfig(**(overrides or {}))
     except ValidationError as e:

@@ -4,8 +4,10 @@ Plugins are modules named by entry points of the ``paged`` group (the bundled on
 happens once per process (``get_registry()``); the hooks are called here and never again, so the
 registries hold plain specs that the engine uses directly.
 
-A plugin that fails to import or whose hook raises is recorded as failed with one warning; the
-others still load. Two plugins that register the same name are an error naming both.
+A plugin that fails to import or whose hook raises is recorded as failed with one warning (its
+traceback kept for ``paged plugins --verbose``); the others still load. Two plugins that register
+the same name both show as conflicting and the name is left out of the registry: only a command
+that selects that name fails (naming both plugins); everything else keeps working.
 ``PAGED_PLUGINS`` (allow list) and ``PAGED_DISABLE_PLUGINS`` (deny list) are comma-separated
 entry-point names.
 """
@@ -14,8 +16,9 @@ from __future__ import annotations
 
 import difflib
 import importlib.metadata as md
-import os
 import logging
+import os
+import traceback
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Iterable
@@ -48,9 +51,11 @@ class PluginInfo:
     distribution: str | None
     version: str | None
     module: str
-    status: str = "ok"  # "ok" | "failed" | "disabled"
+    status: str = "ok"  # "ok" | "failed" | "disabled" | "conflict" (loaded, but a name clashes)
     error: str | None = None
+    traceback: str | None = None  # of a failure, for `paged plugins --verbose`
     provides: dict[str, list[str]] = field(default_factory=dict)
+    conflicts: list[str] = field(default_factory=list)  # "kind 'name' (also registered by 'other')"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -60,7 +65,9 @@ class PluginInfo:
             "module": self.module,
             "status": self.status,
             "error": self.error,
+            "traceback": self.traceback,
             "provides": self.provides,
+            "conflicts": self.conflicts,
         }
 
 
@@ -73,6 +80,8 @@ class Registry:
     models: dict[str, ModelSpec] = field(default_factory=dict)
     owner: dict[tuple[str, str], str] = field(default_factory=dict)  # (kind, name) -> plugin
     plugins: list[PluginInfo] = field(default_factory=list)
+    # (kind, name) -> every plugin registering it; such names are not in the tables above
+    conflicts: dict[tuple[str, str], list[str]] = field(default_factory=dict)
 
     def _failed_hint(self) -> str:
         failed = [p for p in self.plugins if p.status == "failed"]
@@ -85,6 +94,13 @@ class Registry:
         table: dict[str, Any] = getattr(self, kind)
         if name in table:
             return table[name]
+        if (kind, name) in self.conflicts:
+            owners = self.conflicts[(kind, name)]
+            raise PluginError(
+                f"{field_name}: {name!r} is registered by several plugins: "
+                + " and ".join(f"'{o}'" for o in owners)
+                + f". Disable all but one, e.g. PAGED_DISABLE_PLUGINS={','.join(owners[1:])}."
+            )
         available = sorted(table)
         close = difflib.get_close_matches(name, available, n=1)
         hint = f" Did you mean '{close[0]}'?" if close else ""
@@ -164,42 +180,70 @@ def load_plugins(
             module = source.load() if isinstance(source, md.EntryPoint) else source
             pm.register(module, name=info.name)
         except Exception as e:  # a broken plugin must not take the others down
-            _fail(info, e)
+            _fail(info, e, "importing it")
             continue
         loaded.append((info, module))
 
     for info, module in loaded:
         provided: dict[str, list[tuple[str, Any]]] = {}
-        try:
-            for hook_name, (kind, attr) in _KINDS.items():
-                impl = getattr(module, hook_name, None)
-                if impl is None:
-                    continue
+        for hook_name, (kind, attr) in _KINDS.items():
+            impl = getattr(module, hook_name, None)
+            if impl is None:
+                continue
+            try:
                 specs = impl() or []
                 provided[kind] = [(getattr(spec, attr), spec) for spec in specs]
-        except Exception as e:
-            _fail(info, e)
+            except Exception as e:
+                _fail(info, e, f"its hook {hook_name}")
+                break
+        if info.status == "failed":
             pm.unregister(module)
             continue
         for kind, items in provided.items():
-            table = getattr(registry, kind)
             for name, spec in items:
-                other = registry.owner.get((kind, name))
-                if other is not None:
-                    raise PluginError(
-                        f"{kind}: the name {name!r} is registered by both plugin '{other}' and "
-                        f"plugin '{info.name}'. Disable one with PAGED_DISABLE_PLUGINS={info.name}."
-                    )
-                table[name] = spec
-                registry.owner[(kind, name)] = info.name
+                _add(registry, info, kind, name, spec)
             info.provides[kind] = [name for name, _ in items]
     return registry
 
 
-def _fail(info: PluginInfo, error: BaseException) -> None:
+def _add(registry: Registry, info: PluginInfo, kind: str, name: str, spec: Any) -> None:
+    """Put ``spec`` in its table, or, when another plugin already claims the name, take the name
+    out of the table and record the conflict on both plugins."""
+    table = getattr(registry, kind)
+    key = (kind, name)
+    if key in registry.conflicts:
+        registry.conflicts[key].append(info.name)
+    elif key in registry.owner:
+        registry.conflicts[key] = [registry.owner.pop(key), info.name]
+        del table[name]
+    else:
+        table[name] = spec
+        registry.owner[key] = info.name
+        return
+    owners = registry.conflicts[key]
+    by_name = {p.name: p for p in registry.plugins}
+    for owner in owners:
+        plugin = by_name[owner]
+        plugin.status = "conflict"
+        others = ", ".join(f"'{o}'" for o in owners if o != owner)
+        note = f"{kind} {name!r} (also registered by {others})"
+        plugin.conflicts = [c for c in plugin.conflicts if not c.startswith(f"{kind} {name!r} ")] + [note]
+    if len(owners) == 2:
+        logger.warning(
+            "paged plugins %s: %s %r is registered by both; commands that select it fail until one is "
+            "disabled (PAGED_DISABLE_PLUGINS)", " and ".join(f"'{o}'" for o in owners), kind, name,
+        )
+
+
+def _fail(info: PluginInfo, error: BaseException, where: str) -> None:
+    """Record a failure (``where``: what raised, e.g. "its hook register_policies")."""
     info.status = "failed"
-    info.error = f"{type(error).__name__}: {error}"
-    logger.warning("paged plugin '%s' (%s) failed to load: %s", info.name, info.module, info.error)
+    info.error = f"{where} raised {type(error).__name__}: {error}"
+    info.traceback = "".join(traceback.format_exception(error))
+    logger.warning(
+        "paged plugin '%s' (%s) failed to load: %s (traceback: paged plugins --verbose)",
+        info.name, info.module, info.error,
+    )
 
 
 _REGISTRY: Registry | None = None

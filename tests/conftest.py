@@ -7,13 +7,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
+# A test that needs the default model skips without it; under PAGED_REQUIRE_MODEL=1 (CI) it fails.
+pytest_plugins = ["default_model"]
 
 
 @pytest.fixture(scope="session")
 def default_model_dir():
-    from paged.core.loading.gguf import default_model_dir as convert
+    from default_model import default_gguf
+    from paged.core.loading.gguf import converted_model_dir
 
-    return str(convert())
+    return str(converted_model_dir(default_gguf()))
 
 
 @pytest.fixture(scope="session")

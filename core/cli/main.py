@@ -13,46 +13,19 @@ import os
 import sys
 from typing import Any, Sequence
 
-from paged.core.config import EngineConfig, config_flags, dump_config, load_config, parse_key_values
+from paged.core.cli.flags import (
+    CFG,
+    Parser,
+    add_engine_flags,
+    add_sampling_flags,
+    engine_config_from_args,
+    sampling_overrides,
+)
+from paged.core.cli.show_config import cmd_config
+from paged.core.config import EngineConfig
 from paged.core.errors import PagedError
 
-_CFG = "cfg:"
-
-
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine settings (also settable by --config FILE or PAGED_* env)")
-    group.add_argument("--config", dest="config_file", metavar="FILE", help="TOML or YAML config file")
-    for flag in config_flags():
-        dest = f"{_CFG}{flag.section or ''}.{flag.field}"
-        help_text = flag.help or f"{flag.section}.{flag.field}" if flag.section else flag.help
-        if flag.annotation is bool:
-            group.add_argument(f"--{flag.name}", dest=dest, action=argparse.BooleanOptionalAction,
-                               default=argparse.SUPPRESS, help=help_text)
-        else:
-            group.add_argument(f"--{flag.name}", dest=dest, default=argparse.SUPPRESS, help=help_text)
-    group.add_argument("--policy-option", action="append", metavar="KEY=VALUE",
-                       help="an option of the selected policy, e.g. aging_s=5 (repeatable)")
-    group.add_argument("--attention-option", action="append", metavar="KEY=VALUE",
-                       help="an option of the selected attention backend (repeatable)")
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    overrides: dict[str, Any] = {}
-    for key, value in vars(args).items():
-        if not key.startswith(_CFG):
-            continue
-        section, _, field = key[len(_CFG):].partition(".")
-        if section:
-            overrides.setdefault(section, {})[field] = value
-        else:
-            overrides[field] = value
-    policy_options = parse_key_values(args.policy_option, "policy-option")
-    if policy_options:
-        overrides.setdefault("scheduler", {})["policy_options"] = policy_options
-    attention_options = parse_key_values(args.attention_option, "attention-option")
-    if attention_options:
-        overrides.setdefault("attention", {})["options"] = attention_options
-    return load_config(args.config_file, overrides)
+_CFG = CFG  # the lab's flags share the dests
 
 
 # --- paged plugins --------------------------------------------------------------------------
@@ -69,18 +42,14 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         print(f"{p['name']}  [{p['status']}]  ({dist})")
         for kind, names in p["provides"].items():
             print(f"    {kind}: {', '.join(names)}")
+        for conflict in p["conflicts"]:
+            print(f"    conflict: {conflict}; commands that select it fail until one plugin is disabled")
         if p["error"]:
             print(f"    error: {p['error']}")
-    return 0
-
-
-# --- paged config ---------------------------------------------------------------------------
-def cmd_config(args: argparse.Namespace) -> int:
-    from paged.core.config import resolve_plugins
-
-    config = engine_config_from_args(args)
-    resolve_plugins(config, device=_device_for_check(config))
-    print(dump_config(config, "json" if args.json else "yaml"), end="" if not args.json else "\n")
+            if args.verbose and p["traceback"]:
+                print("    " + p["traceback"].rstrip().replace("\n", "\n    "))
+    if not args.verbose and any(p["traceback"] for p in infos):
+        print("(paged plugins --verbose shows the tracebacks)")
     return 0
 
 
@@ -93,23 +62,6 @@ def _device_for_check(config: EngineConfig) -> str:
 
 
 # --- paged run ------------------------------------------------------------------------------
-SAMPLING_FLAGS = {
-    # flag: (SamplingParams field, type)
-    "temperature": ("temperature", float),
-    "top-p": ("top_p", float),
-    "top-k": ("top_k", int),
-    "min-p": ("min_p", float),
-    "max-tokens": ("max_tokens", int),
-    "min-tokens": ("min_tokens", int),
-    "seed": ("seed", int),
-    "n": ("n", int),
-    "logprobs": ("logprobs", int),
-    "presence-penalty": ("presence_penalty", float),
-    "frequency-penalty": ("frequency_penalty", float),
-    "repetition-penalty": ("repetition_penalty", float),
-}
-
-
 def add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompts", nargs="*", help="prompts (default: --prompts-file, else stdin lines)")
     parser.add_argument("--prompts-file", help="one prompt per line, or JSONL objects with 'prompt' or "
@@ -119,14 +71,7 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--priority", type=int, default=0, help="priority of every prompt (lower runs first)")
     parser.add_argument("--record-trace", metavar="PATH", help="write what was served as a lab trace (JSONL; "
                         "see `paged lab replay`)")
-    sampling = parser.add_argument_group("sampling (defaults: greedy, 128 tokens)")
-    for flag, (field, typ) in SAMPLING_FLAGS.items():
-        sampling.add_argument(f"--{flag}", dest=f"sp:{field}", type=typ, default=argparse.SUPPRESS)
-    sampling.add_argument("--stop", dest="sp:stop", action="append", default=argparse.SUPPRESS,
-                          help="stop string (repeatable)")
-    sampling.add_argument("--stop-token-ids", dest="sp:stop_token_ids", type=lambda s: [int(x) for x in s.split(",")],
-                          default=argparse.SUPPRESS, help="comma-separated token ids")
-    sampling.add_argument("--ignore-eos", dest="sp:ignore_eos", action="store_true", default=argparse.SUPPRESS)
+    add_sampling_flags(parser, "sampling (defaults: greedy, 128 tokens; see README: Sampling defaults)")
 
 
 def _read_prompts(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -179,30 +124,44 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _run_torchrun_worker(config)
     items = _read_prompts(args)
     defaults: dict[str, Any] = {"temperature": 0.0, "max_tokens": 128}
-    defaults.update({k[3:]: v for k, v in vars(args).items() if k.startswith("sp:")})
+    defaults.update(sampling_overrides(args))
+    _sampling_params(items, defaults)  # bad sampling flags fail before the model loads
     engine = LLMEngine(config)
     try:
-        return _run_prompts(args, engine, items, defaults)
+        # greedy unless --temperature; the model's generation_config fills the fields nobody set
+        params = _sampling_params(items, {**engine.default_sampling, **defaults})
+        return _run_prompts(args, engine, items, params)
     finally:
         engine.shutdown()
 
 
-def _run_prompts(args: argparse.Namespace, engine, items: list[dict[str, Any]], defaults: dict[str, Any]) -> int:
+def _sampling_params(items: list[dict[str, Any]], defaults: dict[str, Any]) -> list[Any]:
+    from paged.core.errors import InvalidRequestError
     from paged.core.sampling_params import SamplingParams
 
+    out = []
+    for number, item in enumerate(items, 1):
+        fields = {k: v for k, v in item.items() if k not in ("prompt", "messages", "priority")}
+        try:
+            out.append(SamplingParams.from_dict({**defaults, **fields}))
+        except (InvalidRequestError, TypeError) as e:
+            where = f"prompt {number}: " if fields else ""
+            raise PagedError(f"{where}{e}") from None
+    return out
+
+
+def _run_prompts(args: argparse.Namespace, engine, items: list[dict[str, Any]], params_list: list[Any]) -> int:
     ids, prompts, served = [], [], []  # served: (params, priority) per request, for --record-trace
-    for item in items:
-        item = dict(item)
-        priority = item.pop("priority", args.priority)
+    for item, params in zip(items, params_list):
+        priority = item.get("priority", args.priority)
         if "messages" in item:
-            prompt = engine.apply_chat_template(item.pop("messages"))
+            prompt = engine.apply_chat_template(item["messages"])
             special = False
         else:
-            prompt = item.pop("prompt")
+            prompt = item["prompt"]
             if args.chat:
                 prompt = engine.apply_chat_template([{"role": "user", "content": prompt}])
             special = not args.chat
-        params = SamplingParams.from_dict({**defaults, **item})
         ids.append(engine.add_request(None, prompt, params, priority=priority, add_special_tokens=special))
         prompts.append(prompt)
         served.append((params, priority))
@@ -327,24 +286,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
-    parser = argparse.ArgumentParser(prog="paged", description="A plugin-first LLM inference engine.")
+    parser = Parser(prog="paged", description="A plugin-first LLM inference engine.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", parents=[common], help="generate completions for prompts with the offline engine")
+    run = sub.add_parser("run", parents=[common], help="generate completions for prompts with the offline engine",
+                         usage="paged run [options] [prompts ...]  (paged run --help lists the options)")
     add_run_flags(run)
     add_engine_flags(run)
     run.set_defaults(func=cmd_run)
 
     plugins = sub.add_parser("plugins", parents=[common], help="list discovered plugins and what they provide")
-    plugins.add_argument("--json", action="store_true")
+    plugins.add_argument("--json", action="store_true", help="one JSON document (with tracebacks)")
+    plugins.add_argument("-v", "--verbose", action="store_true", help="show the traceback of each failed plugin")
     plugins.set_defaults(func=cmd_plugins)
 
-    serve = sub.add_parser("serve", parents=[common],
+    serve = sub.add_parser("serve", parents=[common], usage="paged serve [options]  (paged serve --help lists them)",
                            help="run the OpenAI-compatible HTTP server (engine core in its own process)")
     serve.add_argument("--access-log", action="store_true", help="log every HTTP request")
     serve.add_argument("--record-trace", metavar="PATH",
                        help="append every finished request to a lab trace (JSONL) for `paged lab replay`")
-    add_engine_flags(serve)
+    add_engine_flags(serve, skip=())
     serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", parents=[common], help="benchmarks (paged bench serve --help)")
@@ -352,10 +313,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
     bench.set_defaults(func=cmd_bench)
 
-    config = sub.add_parser("config", parents=[common], help="print the effective configuration")
+    config = sub.add_parser("config", parents=[common], usage="paged config [options]  (paged config --help lists them)",
+                            help="print the effective configuration and what it resolves to here")
     config.add_argument("--json", action="store_true")
-    add_engine_flags(config)
-    config.set_defaults(func=cmd_config)
+    add_engine_flags(config, skip=())
+    config.set_defaults(func=cmd_config)  # core/cli/show_config.py
 
     from paged.core.cli.lab import add_lab_parser  # paged lab: gen, replay, calibrate, validate, policies
 

@@ -94,7 +94,7 @@ class ModelRunner:
 
         self.config = config
         self.device = device
-        self.model_dir = resolve_model_dir(config.model.model)
+        self.model_dir = resolve_model_dir(config.model.model, config.model.revision)
         self.hf_config = load_hf_config(self.model_dir)
         architecture = (getattr(self.hf_config, "architectures", None) or ["(none)"])[0]
         model_spec = registry.model(architecture)

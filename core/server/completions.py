@@ -51,6 +51,7 @@ def prompt_list(prompt: Any) -> list[str | list[int]]:
 async def completions(state: ServerState, body: Any) -> Response:
     try:
         req: CompletionRequest = accept(state, CompletionRequest, body)
+        defaults = state.require_llm().default_sampling  # the model's generation_config.json
         if req.echo:
             raise invalid("echo: not supported", "echo")
         if req.suffix:
@@ -59,7 +60,8 @@ async def completions(state: ServerState, body: Any) -> Response:
             raise invalid(f"best_of: only best_of == n is supported (got {req.best_of}, n={req.n})", "best_of")
         prompts = prompt_list(req.prompt)
         check_limits(req, state.config.server, len(prompts))
-        params = sampling_params(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
+        max_tokens = defaults.get("max_tokens", 16) if req.max_tokens is None else req.max_tokens
+        params = sampling_params(req, max_tokens, req.logprobs, defaults)
     except Exception as e:
         return from_exception(e).response()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

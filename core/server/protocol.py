@@ -130,12 +130,16 @@ def check_limits(req: CommonRequest, limits: ServerConfig, num_prompts: int) -> 
             raise invalid(f"{name}: {len(value)} entries; at most {limits.max_stop} (server.max_stop)")
 
 
-def sampling_params(req: CommonRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def sampling_params(req: CommonRequest, max_tokens: int | None, logprobs: int | None,
+                    defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """``defaults``: the model's generation_config sampling (``AsyncLLM.default_sampling``), for
+    the fields the request leaves unset; the caller applies its ``max_tokens``."""
     if req.stream_options is not None and not req.stream:
         raise invalid("stream_options: only allowed when stream is true")
     if req.logit_bias:
         raise invalid("logit_bias: not supported")
-    kw: dict[str, Any] = dict(
+    kw: dict[str, Any] = {k: v for k, v in (defaults or {}).items() if k != "max_tokens"}
+    kw.update(
         n=req.n, max_tokens=max_tokens, logprobs=logprobs, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
         include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
     )

@@ -1,0 +1,33 @@
+"""A random tiny Llama in safetensors with the default model's tokenizer, and HF's greedy tokens
+for ``PROMPT`` (the independent reference), shared by the tests of model sources and defaults."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+TINY = dict(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0,
+            bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)  # fmt: skip
+PROMPT = [1, 504, 3575, 282, 4649, 314]
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, default_model_dir):
+    """A random tiny Llama in safetensors with the default model's tokenizer (same vocab)."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).eval()
+    path = tmp_path_factory.mktemp("tiny") / "model"
+    model.save_pretrained(path)
+    for f in Path(default_model_dir).iterdir():
+        if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
+            shutil.copy(f, path / f.name)
+    with torch.inference_mode():
+        ids = model.generate(torch.tensor([PROMPT]), max_new_tokens=6, do_sample=False, pad_token_id=2)
+    return path, ids[0, len(PROMPT):].tolist()
+
+
