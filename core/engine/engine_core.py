@@ -8,16 +8,15 @@ runs in-process (``LLMEngine``) or in its own process behind ZeroMQ.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterable
 
 from paged.core.config import EngineConfig, resolve_plugins
 from paged.core.engine.kv_cache_manager import KVCacheManager
 from paged.core.engine.request import Request, RequestStatus
 from paged.core.engine.scheduler import Scheduler
+from paged.core.loading.model_config import resolve_model
 
 logger = logging.getLogger("paged")
 
@@ -32,6 +31,7 @@ class ModelInfo:
     eos_token_ids: list[int]
     num_blocks: int
     block_size: int
+    tokenizer_dir: str = ""  # the model's own directory unless model.tokenizer names another
 
 
 @dataclass
@@ -71,6 +71,8 @@ class EngineCore:
         registry = registry or get_registry()
         self.device = resolve_device(config.device)
         self.plugins = resolve_plugins(config, registry, self.device.type)
+        # The model's settings are settled (and checked) before any rank starts or loads weights.
+        self.model_config = resolve_model(config, registry, self.device)
         configure_cpu_threads(config, self.device)
         # Tensor parallelism: this process becomes rank 0 (the other ranks start or join here).
         self.executor = TensorParallelExecutor.start(config, self.device)
@@ -80,7 +82,7 @@ class EngineCore:
             "device %s, attention backend %r, policy %r", self.device, self.plugins.attention.name, self.plugins.policy.name
         )
         try:
-            self.runner = ModelRunner(config, self.plugins, registry, self.device)
+            self.runner = ModelRunner(config, self.plugins, self.model_config, self.device)
         except BaseException:
             if self.executor is not None:
                 self.executor.abort()  # the other ranks may be inside a collective: no stop broadcast
@@ -93,17 +95,18 @@ class EngineCore:
             self.kv_cache_manager,
             max_num_seqs=config.scheduler.max_num_seqs,
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-            max_model_len=self.runner.max_model_len,
+            max_model_len=self.model_config.max_model_len,
             long_prefill_token_threshold=config.scheduler.long_prefill_token_threshold,
             enable_chunked_prefill=config.scheduler.enable_chunked_prefill,
         )
         self.model_info = ModelInfo(
-            model_dir=str(self.runner.model_dir),
-            max_model_len=self.runner.max_model_len,
-            vocab_size=self.runner.vocab_size,
-            eos_token_ids=eos_token_ids(self.runner.model_dir, self.runner.hf_config),
+            model_dir=str(self.model_config.model_dir),
+            max_model_len=self.model_config.max_model_len,
+            vocab_size=self.model_config.vocab_size,
+            eos_token_ids=self.model_config.eos_token_ids,
             num_blocks=self.runner.num_blocks,
             block_size=config.cache.block_size,
+            tokenizer_dir=str(self.model_config.tokenizer_dir),
         )
         self.stats = CoreStats()
 
@@ -162,17 +165,3 @@ class EngineCore:
         stats.prefix_cache_queries, stats.prefix_cache_hits = prefix.queries, prefix.hits
         return stats
 
-
-def eos_token_ids(model_dir, hf_config=None) -> list[int]:
-    """EOS ids: generation_config.json first (it may list several), else config.json's."""
-    value = None
-    path = Path(model_dir) / "generation_config.json"
-    if path.is_file():
-        value = json.loads(path.read_text()).get("eos_token_id")
-    if value is None and hf_config is not None:
-        value = getattr(hf_config, "eos_token_id", None)
-    if isinstance(value, int):
-        return [value]
-    if isinstance(value, list):
-        return [int(v) for v in value]
-    return []

@@ -182,6 +182,7 @@ def run_worker(config: EngineConfig, rank: int, size: int, master_addr: str, mas
     """Join the group as ``rank``, build this rank's share of the model and KV cache, and run the
     steps rank 0 broadcasts until it says stop."""
     from paged.core.engine.model_runner import ModelRunner, resolve_device
+    from paged.core.loading.model_config import resolve_model
     from paged.core.registry import get_registry
 
     if config.parallel.tensor_parallel_size != size:
@@ -194,7 +195,8 @@ def run_worker(config: EngineConfig, rank: int, size: int, master_addr: str, mas
     init_tensor_parallel(rank, size, device, master_addr, master_port)
     try:
         registry = get_registry()
-        runner = ModelRunner(config, resolve_plugins(config, registry, device.type), registry, device)
+        model = resolve_model(config, registry, device)  # this process's own copy of rank 0's resolution
+        runner = ModelRunner(config, resolve_plugins(config, registry, device.type), model, device)
         logger.info("rank %d/%d ready on %s", rank, size, device)
         runner.run_worker_loop()
     finally:

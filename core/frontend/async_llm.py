@@ -146,7 +146,7 @@ class AsyncLLM:
 
         client = EngineCoreClient(config, start_timeout=start_timeout, cancel=cancel)
         try:
-            tokenizer = load_tokenizer(config.model.tokenizer or client.model_info.model_dir)
+            tokenizer = load_tokenizer(client.model_info.tokenizer_dir or client.model_info.model_dir)
         except BaseException:
             client.close()
             raise

@@ -52,7 +52,7 @@ class LLMEngine:
         self.config = config
         self.core = EngineCore(config, registry)
         self.model_info = self.core.model_info
-        self.tokenizer = load_tokenizer(config.model.tokenizer or self.model_info.model_dir)
+        self.tokenizer = load_tokenizer(self.model_info.tokenizer_dir or self.model_info.model_dir)
         self.input_processor = InputProcessor(self.tokenizer, self.model_info)
         self.output_processor = OutputProcessor()
         self.stats = EngineStats()
