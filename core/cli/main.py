@@ -307,8 +307,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     if _is_torchrun_worker():
         return _run_torchrun_worker(config)
+    make_recorder = None
+    if args.record_trace:
+        from paged.core.lab.trace import TraceRecorder
+
+        def make_recorder() -> TraceRecorder:
+            logging.getLogger("paged").info("recording the served requests as a lab trace in %s", args.record_trace)
+            return TraceRecorder(args.record_trace, "paged serve")
+
     return run_server(config, access_log=args.access_log, log_level="warning" if args.quiet else "info",
-                      record_trace=args.record_trace)
+                      make_trace_recorder=make_recorder)
 
 
 # --- paged bench -----------------------------------------------------------------------------

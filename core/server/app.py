@@ -29,7 +29,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager, contextmanager, suppress
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -482,7 +482,10 @@ def default_served_model_name(config: EngineConfig) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
-def build_app(config: EngineConfig, start_timeout: float = 600.0, record_trace: str | None = None) -> FastAPI:
+def build_app(config: EngineConfig, start_timeout: float = 600.0,
+              make_trace_recorder: Callable[[], Any] | None = None) -> FastAPI:
+    """``make_trace_recorder``: called once the engine is up, returns an observer of the served
+    requests (``add``/``discard``/``finish``; ``paged serve --record-trace`` passes the lab's)."""
     state = ServerState(config)
 
     async def start_engine() -> None:
@@ -496,11 +499,8 @@ def build_app(config: EngineConfig, start_timeout: float = 600.0, record_trace: 
                 state.uvicorn_server.should_exit = True
             return
         state.served_model_name = default_served_model_name(config)
-        if record_trace:
-            from paged.core.lab.trace import TraceRecorder
-
-            llm.trace_recorder = TraceRecorder(record_trace, "paged serve")
-            logger.info("recording the served requests as a lab trace in %s", record_trace)
+        if make_trace_recorder is not None:
+            llm.trace_recorder = make_trace_recorder()
         state.tokens = _Tokens(llm.tokenizer)
         state.llm = llm
         logger.info("serving model %r", state.served_model_name)
@@ -926,7 +926,7 @@ def _uvicorn_server_class():
 
 
 def run_server(config: EngineConfig, *, access_log: bool = False, log_level: str = "info",
-               start_timeout: float = 600.0, record_trace: str | None = None) -> int:
+               start_timeout: float = 600.0, make_trace_recorder: Callable[[], Any] | None = None) -> int:
     """Bind ``server.host:server.port`` (before the model loads, so a taken port fails at once),
     start the engine in the background and serve until SIGINT/SIGTERM. Returns an exit code."""
     import socket
@@ -945,7 +945,7 @@ def run_server(config: EngineConfig, *, access_log: bool = False, log_level: str
     sock.listen(2048)
     sock.set_inheritable(True)
     port = sock.getsockname()[1]
-    app = build_app(config, start_timeout=start_timeout, record_trace=record_trace)
+    app = build_app(config, start_timeout=start_timeout, make_trace_recorder=make_trace_recorder)
     uv_config = uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="on",
                                timeout_graceful_shutdown=10)
     server = _uvicorn_server_class()(uv_config)
