@@ -9,7 +9,8 @@ import pytest
 from paged.core.frontend.async_llm import AsyncLLM
 from paged.core.config import load_config
 from paged.core.engine.engine_core import ModelInfo
-from paged.core.ipc.engine_core_proc import AbortRequests, AddRequest, CoreOutput, Outputs, UtilityCall
+from paged.core.engine.outputs import EngineCoreOutput as CoreOutput
+from paged.core.ipc.messages import AbortRequests, AddRequest, Outputs, UtilityCall
 from paged.core.sampling_params import SamplingParams
 
 BLOCK = 16

@@ -486,7 +486,7 @@ def test_abort_waiting_running_mid_prefill_and_preempted():
     assert out.finished_request_ids == [d.request_id]
     s.finish_requests([b.request_id], RequestStatus.FINISHED_ABORTED)
     updated = s.update_from_output(out, {x.request.request_id: TOKEN for x in out.scheduled})
-    assert b not in updated and b.status == RequestStatus.FINISHED_ABORTED
+    assert b.request_id not in {o.request_id for o in updated} and b.status == RequestStatus.FINISHED_ABORTED
     s.finish_requests([c.request_id], RequestStatus.FINISHED_ABORTED)
     assert not s.has_unfinished_requests()
     assert_all_free(s)

@@ -9,13 +9,14 @@ runs in-process (``LLMEngine``) or in its own process behind ZeroMQ.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import Iterable
+from dataclasses import dataclass
+from typing import Callable, Iterable
 
 from paged.core.config import EngineConfig, resolve_plugins
 from paged.core.engine.kv_cache_manager import KVCacheManager
+from paged.core.engine.outputs import EngineCoreOutput
 from paged.core.engine.request import Request, RequestStatus
-from paged.core.engine.scheduler import Scheduler
+from paged.core.engine.scheduler import Scheduler, SchedulerOutput
 from paged.core.loading.model_config import resolve_model
 
 logger = logging.getLogger("paged")
@@ -32,21 +33,6 @@ class ModelInfo:
     num_blocks: int
     block_size: int
     tokenizer_dir: str = ""  # the model's own directory unless model.tokenizer names another
-
-
-@dataclass
-class EngineCoreOutput:
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    stop_token_id: int | None = None
-    logprobs: list = field(default_factory=list)  # TokenLogprobs per new token, when asked for
-    arrival_time: float = 0.0
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    num_cached_tokens: int = 0
-    num_preemptions: int = 0
 
 
 @dataclass
@@ -109,6 +95,9 @@ class EngineCore:
             tokenizer_dir=str(self.model_config.tokenizer_dir),
         )
         self.stats = CoreStats()
+        # Called with each step's SchedulerOutput right after scheduling, before the model runs
+        # (the policy lab records steps this way); empty in serving.
+        self.schedule_observers: list[Callable[[SchedulerOutput], None]] = []
 
     def add_request(self, request: Request) -> None:
         """Queue a request; raises InvalidRequestError if it could never run."""
@@ -122,33 +111,15 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
+        for observe in self.schedule_observers:
+            observe(scheduler_output)
         result = self.runner.execute(scheduler_output)
-        updated = self.scheduler.update_from_output(scheduler_output, result.sampled_token_ids)
+        outputs = self.scheduler.update_from_output(scheduler_output, result.sampled_token_ids, result.logprobs)
         stats = self.stats
         stats.num_steps += 1
         stats.num_preemptions += len(scheduler_output.preempted_request_ids)
         stats.kv_usage = self.kv_cache_manager.usage
         stats.peak_kv_usage = max(stats.peak_kv_usage, stats.kv_usage)
-        outputs = []
-        for request in updated:
-            token = request.output_token_ids[-1]
-            finished = request.is_finished
-            logprobs = result.logprobs.get(request.request_id)
-            outputs.append(
-                EngineCoreOutput(
-                    request.request_id,
-                    [token],
-                    finish_reason=request.status.finish_reason,
-                    stop_token_id=token if finished and request.status == RequestStatus.FINISHED_STOPPED else None,
-                    logprobs=[logprobs] if logprobs is not None else [],
-                    arrival_time=request.arrival_time,
-                    first_scheduled_time=request.first_scheduled_time,
-                    first_token_time=request.first_token_time,
-                    finished_time=request.finished_time,
-                    num_cached_tokens=max(request.num_cached_tokens, 0),
-                    num_preemptions=request.num_preemptions,
-                )
-            )
         return outputs
 
     def shutdown(self) -> None:

@@ -30,7 +30,9 @@ from typing import Iterable
 from paged.core.errors import InvalidRequestError
 from paged.core.engine.kv_cache_manager import KVCacheManager, cdiv
 from paged.core.policy import SchedulingPolicy
+from paged.core.engine.outputs import EngineCoreOutput
 from paged.core.engine.request import Request, RequestStatus
+from paged.core.engine.sampler import TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -305,9 +307,12 @@ class Scheduler:
         self.step_scheduled_tokens = self.max_num_batched_tokens - budget
         return output
 
-    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+    def update_from_output(
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, int], logprobs: dict[str, TokenLogprobs] | None = None
+    ) -> list[EngineCoreOutput]:
         """Append each sampled token, apply stop conditions, free finished requests.
-        Returns the requests that received a token (finished ones included)."""
+        Returns the step's outputs: one per request that received a token (finished ones
+        included), with its ``logprobs`` entry when there is one."""
         updated = []
         now = time.monotonic()
         running = RequestStatus.RUNNING
@@ -328,7 +333,7 @@ class Scheduler:
                 self.running.remove(request)
                 request.status = status
                 self._free(request)
-            updated.append(request)
+            updated.append(EngineCoreOutput.of(request, logprobs.get(request.request_id) if logprobs else None))
         return updated
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:

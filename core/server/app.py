@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from paged.core.frontend.async_llm import AsyncLLM, StatsObserver
 from paged.core.config import EngineConfig
-from paged.core.ipc.engine_core_proc import EngineDeadError
+from paged.core.ipc.messages import EngineDeadError
 from paged.core.errors import InvalidRequestError, PagedError
 from paged.core.frontend.outputs import RequestOutput
 from paged.core.sampling_params import SamplingParams
