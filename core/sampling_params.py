@@ -77,10 +77,6 @@ class SamplingParams:
         if not self.repetition_penalty > 0.0:
             bad("repetition_penalty", "must be > 0 (1 disables it)")
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
     def copy(self, **changes) -> "SamplingParams":
         return replace(self, **changes)
 

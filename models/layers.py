@@ -25,6 +25,7 @@ from torch import nn
 from paged.core.engine.distributed import HeadShard, get_tp, shard_heads, shard_range
 from paged.core.errors import ModelLoadError
 from paged.core.loading.weights import CheckpointSlice, whole_parameters  # re-exported: public here too
+from paged.core.utils import cdiv
 
 # ---- parameters without initialisation ------------------------------------------------------
 
@@ -137,7 +138,7 @@ class VocabParallelEmbedding(nn.Module):
         self.tp = get_tp()
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.shard_size = -(-num_embeddings // self.tp.size)
+        self.shard_size = cdiv(num_embeddings, self.tp.size)
         self.vocab_start = self.tp.rank * self.shard_size
         self.vocab_end = min(self.vocab_start + self.shard_size, num_embeddings)
         self.weight = _empty_param(self.shard_size, embedding_dim, dtype=dtype, device=device)

@@ -17,7 +17,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from paged.core.engine.block_pool import hash_block_tokens
 from paged.core.errors import InvalidRequestError
-from paged.core.engine.kv_cache_manager import KVCacheManager, cdiv
+from paged.core.engine.kv_cache_manager import KVCacheManager
+from paged.core.utils import cdiv
 from paged.core.engine.request import Request, RequestStatus
 from paged.core.sampling_params import SamplingParams
 from paged.core.engine.scheduler import Scheduler

@@ -29,7 +29,7 @@ import torch
 from paged.core.attention import AttentionLayout, BatchInputs
 from paged.core.config import EngineConfig, ResolvedPlugins
 from paged.core.engine.distributed import get_tp, shard_heads
-from paged.core.engine.kv_cache_manager import cdiv
+from paged.core.utils import cdiv
 from paged.core.engine.sampler import Sampler, SamplerOutput
 from paged.core.engine.scheduler import SchedulerOutput
 from paged.core.errors import ConfigError

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from paged.core.errors import InvalidRequestError
-from paged.core.engine.kv_cache_manager import KVCacheManager, cdiv
+from paged.core.engine.kv_cache_manager import KVCacheManager
+from paged.core.utils import cdiv
 from paged.core.policy import SchedulingPolicy
 from paged.core.engine.outputs import EngineCoreOutput
 from paged.core.engine.request import Request, RequestStatus
@@ -112,16 +113,6 @@ class WaitingQueue:
         return (r for _, _, r in sorted(self._heap) if r in self._members)
 
 
-@dataclass
-class SchedulerStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_usage: float = 0.0
-    num_preemptions: int = 0  # total since start
-    step_preemptions: int = 0
-    step_scheduled_tokens: int = 0
-
-
 class Scheduler:
     def __init__(
         self,
@@ -157,8 +148,6 @@ class Scheduler:
         self.running: list[Request] = []  # in policy order (sorted by sort_key)
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
-        self.step_preemptions = 0
-        self.step_scheduled_tokens = 0
 
     # --- requests in and out -----------------------------------------------------------
     def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -208,7 +197,6 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.step_preemptions += 1
         self.waiting.push(request)  # same sort_key: back at its place in the order
         output.preempted_request_ids.append(request.request_id)
 
@@ -239,7 +227,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = []
-        self.step_preemptions = 0
         if self.policy.displaces_running:
             self._displace(output)
         num_displaced = len(output.preempted_request_ids)
@@ -304,7 +291,6 @@ class Scheduler:
             )
             request.num_computed_tokens = num_cached + num_new
             budget -= num_new
-        self.step_scheduled_tokens = self.max_num_batched_tokens - budget
         return output
 
     def update_from_output(
@@ -347,16 +333,6 @@ class Scheduler:
         if num_output >= request.max_tokens or len(request.all_token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
-
-    def stats(self) -> SchedulerStats:
-        return SchedulerStats(
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-            kv_usage=self.kv.usage,
-            num_preemptions=self.num_preemptions,
-            step_preemptions=self.step_preemptions,
-            step_scheduled_tokens=self.step_scheduled_tokens,
-        )
 
 
 def check_request_fits(

@@ -22,16 +22,6 @@ from paged.core.engine.request import RequestStatus
 from paged.core.sampling_params import SamplingParams
 
 
-@dataclass
-class EngineStats:
-    """Front-end counters; the core's are in ``engine.core.snapshot_stats()``."""
-
-    num_requests: int = 0
-    num_finished: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-
-
 def check_offline_parallelism(config: EngineConfig) -> None:
     """The in-process engine is one engine core: data parallelism (several cores, each with its
     own KV cache, behind one front-end) exists only in ``paged serve``."""
@@ -55,7 +45,6 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_info.tokenizer_dir or self.model_info.model_dir)
         self.input_processor = InputProcessor(self.tokenizer, self.model_info)
         self.output_processor = OutputProcessor()
-        self.stats = EngineStats()
         self._ids = itertools.count()
 
     @property
@@ -95,8 +84,6 @@ class LLMEngine:
             self.core.abort_requests(added)
             raise
         self.output_processor.add(parent)
-        self.stats.num_requests += 1
-        self.stats.prompt_tokens += len(parent.prompt_token_ids) * len(requests)
         return request_id
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
@@ -119,6 +106,4 @@ class LLMEngine:
         outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:
             self.core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        self.stats.generation_tokens += sum(len(o.new_token_ids) for o in core_outputs)
-        self.stats.num_finished += sum(1 for o in outputs if o.finished)
         return outputs
