@@ -20,7 +20,7 @@ by every layer); each layer's ``forward`` then
      padding blocks and the stale tail of the last block may hold anything, even NaN: a masked
      NaN still poisons a softmax), and one SDPA call with ``enable_gqa=True`` and a key-padding
      mask attends over the strided ``[B, Hkv, max_len, D]`` view (no ``repeat_interleave``, no
-     ``.contiguous()``: see shared/facts.md, "Attention on the CPU");
+     ``.contiguous()``: both measured slower, see benchmarks/attention_torch.py);
    - prefill chunks, one SDPA call each (there are few per step): the chunk's context, exactly
      positions ``0 .. seq_len - 1``, is gathered token by token through its slots. The queries
      are the last ``q_len`` of those positions, so query ``t`` sees positions

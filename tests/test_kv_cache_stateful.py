@@ -125,7 +125,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.check_all()
         # The model may give a token to every scheduled request: only those that sample take it.
         sampled = {s.request.request_id: data.draw(ALPHABET, label="token") for s in output.scheduled}
-        takes = {s.request.request_id for s in output.scheduled if s.samples}
+        takes = {s.request.request_id for s in output.scheduled if s.is_sampled}
         if output.scheduled and data.draw(st.integers(0, 7), label="abort mid-step") == 0:
             # Aborted after schedule(), before the model's output comes back.
             victim = data.draw(st.sampled_from(output.scheduled), label="aborted").request
@@ -304,7 +304,7 @@ class KVCacheMachine(RuleBasedStateMachine):
                 for pos in range(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens):
                     self.contents.setdefault(table[pos // self.bs].block_id, {})[pos % self.bs] = s.request.all_token_ids[pos]
             self.check_all()
-            self.sched.update_from_output(output, {s.request.request_id: 1 for s in output.scheduled if s.samples})
+            self.sched.update_from_output(output, {s.request.request_id: 1 for s in output.scheduled if s.is_sampled})
         self.check_all()
         pool = self.kv.block_pool
         assert pool.get_num_free_blocks() == pool.num_blocks

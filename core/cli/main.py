@@ -14,7 +14,7 @@ import sys
 from typing import Any, Sequence
 
 from paged.core.config import EngineConfig, config_flags, dump_config, load_config, parse_key_values
-from paged.core.errors import PagedError
+from paged.core.errors import ConfigError, PagedError
 
 _CFG = "cfg:"
 
@@ -301,7 +301,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     resolve_plugins(config, device=_device_for_check(config))  # bad plugin names fail before anything starts
     if os.environ.get("WORLD_SIZE", "1") != "1" and config.parallel.data_parallel_size > 1:
-        raise PagedError(
+        raise ConfigError(
             f"parallel.data_parallel_size: {config.parallel.data_parallel_size} cannot be combined with a "
             "torchrun launch (WORLD_SIZE is set); under torchrun use --tensor-parallel-size only"
         )

@@ -49,7 +49,7 @@ class CoreStats:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, registry=None) -> None:
-        from paged.core.engine.tp_ranks import TensorParallelExecutor, configure_cpu_threads
+        from paged.core.engine.tp_ranks import TensorParallelRanks, configure_cpu_threads
         from paged.core.engine.model_runner import ModelRunner, resolve_device
         from paged.core.registry import get_registry
 
@@ -61,17 +61,17 @@ class EngineCore:
         self.model_config = resolve_model(config, registry, self.device)
         configure_cpu_threads(config, self.device)
         # Tensor parallelism: this process becomes rank 0 (the other ranks start or join here).
-        self.executor = TensorParallelExecutor.start(config, self.device)
-        if self.executor is not None:
-            self.device = self.executor.device
+        self.tp_ranks = TensorParallelRanks.start(config, self.device)
+        if self.tp_ranks is not None:
+            self.device = self.tp_ranks.device
         logger.info(
             "device %s, attention backend %r, policy %r", self.device, self.plugins.attention.name, self.plugins.policy.name
         )
         try:
             self.runner = ModelRunner(config, self.plugins, self.model_config, self.device)
         except BaseException:
-            if self.executor is not None:
-                self.executor.abort()  # the other ranks may be inside a collective: no stop broadcast
+            if self.tp_ranks is not None:
+                self.tp_ranks.abort()  # the other ranks may be inside a collective: no stop broadcast
             raise
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
@@ -124,8 +124,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks, if any; idempotent."""
-        if self.executor is not None:
-            self.executor.shutdown()
+        if self.tp_ranks is not None:
+            self.tp_ranks.shutdown()
 
     def snapshot_stats(self) -> CoreStats:
         stats = self.stats

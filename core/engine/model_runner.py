@@ -1,11 +1,11 @@
 """Runs one scheduled step on the model: flatten the batch, forward, sample.
 
-Flattening (design.md, step 2): requests are ordered decodes first, then prefill chunks. For
+Flattening: requests are ordered decodes first, then prefill chunks. For
 each scheduled request the tokens ``all_token_ids[num_computed : num_computed + num_new]`` are
 laid end to end in ``input_ids`` with their ``positions``; ``query_start_loc`` holds the running
 sum of query lengths, ``seq_lens`` the context after this step, ``block_table`` one padded row per
 request and ``slot_mapping`` the cache slot of every new token. Logits are computed only at the
-last token of requests whose known tokens are all computed after this step (``samples``).
+last token of requests whose known tokens are all computed after this step (``is_sampled``).
 
 The runner keeps each request's block ids across steps (admission sends the full list, later
 steps only the new blocks), so a step costs O(new tokens + requests), not O(blocks held).
@@ -286,7 +286,7 @@ class ModelRunner:
                 pos = np.arange(start, start + n)
                 position_chunks.append(pos)
                 slot_chunks.append(np.asarray(ids, dtype=np.int64)[pos // bs] * bs + pos % bs)
-            if s.samples:
+            if s.is_sampled:
                 sample_requests.append(request)
                 sample_rows.append(i)
         qsl = np.zeros(num_reqs + 1, dtype=np.int32)

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from paged.core.errors import InvalidRequestError
+from paged.core.errors import ConfigError, InvalidRequestError
 from paged.core.engine.kv_cache_manager import KVCacheManager
 from paged.core.utils import cdiv
 from paged.core.policy import SchedulingPolicy
@@ -44,7 +44,7 @@ class ScheduledRequest:
     new_block_ids: list[int]
     # Whether this step completes the request's known tokens, so a token is sampled. Fixed when
     # scheduled: update_from_output appends the sampled token, which would change the answer.
-    samples: bool = field(init=False)
+    is_sampled: bool = field(init=False)
 
     def __init__(self, request: Request, num_computed_tokens: int, num_new_tokens: int, new_block_ids: list[int]):
         # Written out (the dataclass keeps it) rather than __post_init__: one call less, made
@@ -53,7 +53,7 @@ class ScheduledRequest:
         self.num_computed_tokens = num_computed_tokens
         self.num_new_tokens = num_new_tokens
         self.new_block_ids = new_block_ids
-        self.samples = num_computed_tokens + num_new_tokens == request.num_tokens
+        self.is_sampled = num_computed_tokens + num_new_tokens == request.num_tokens
 
 
 @dataclass
@@ -133,13 +133,13 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.enable_chunked_prefill = enable_chunked_prefill
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
-            raise InvalidRequestError(
+            raise ConfigError(
                 f"scheduler.max_num_batched_tokens: {max_num_batched_tokens} is below max_model_len "
                 f"({max_model_len}); without chunked prefill it must be >= max_model_len"
             )
         if not enable_chunked_prefill and long_prefill_token_threshold:
             # A capped prompt could never be admitted whole: it would wait forever.
-            raise InvalidRequestError(
+            raise ConfigError(
                 f"scheduler.long_prefill_token_threshold: {long_prefill_token_threshold} caps prefill chunks; "
                 f"it needs enable_chunked_prefill (or 0)"
             )
@@ -303,7 +303,7 @@ class Scheduler:
         now = time.monotonic()
         running = RequestStatus.RUNNING
         for scheduled in output.scheduled:
-            if not scheduled.samples:  # still in prefill: no token, whatever the runner sent
+            if not scheduled.is_sampled:  # still in prefill: no token, whatever the runner sent
                 continue
             request = scheduled.request
             token = sampled_token_ids.get(request.request_id)

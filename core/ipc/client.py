@@ -8,14 +8,13 @@ import logging
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 
 import zmq
 
-from paged.core.config import for_child_process
+from paged.core.engine.child_process import spawn_child
 from paged.core.engine.engine_core import ModelInfo
 from paged.core.errors import ConfigError
 from paged.core.ipc.messages import CoreFailed, EngineDeadError, Ready, make_encoder, message_decoder
@@ -80,22 +79,17 @@ class EngineCoreClient:
         self.pids: list[int | None] = [None] * self.num_cores
         self.model_info: ModelInfo | None = None
         self._closed = False
-        payload, env = for_child_process(config)
         level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
-        cmd = [sys.executable, "-m", "paged.core.ipc.engine_core_proc", "--input", self.input_addr,
-               "--output", self.output_addr, "--parent-pid", str(os.getpid()), "--log-level", str(level)]
-        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        args = ["--input", self.input_addr, "--output", self.output_addr, "--log-level", str(level)]
         try:
             for rank in range(self.num_cores):
                 rank_args = ["--dp-rank", str(rank)] if self.num_cores > 1 else []
                 # Its own session: a terminal's Ctrl-C reaches the front-end only, which drains and
                 # then stops the core (SIGTERM); if the front-end dies instead, the core notices the
                 # orphaning.
-                core_env = dict(env, **_core_devices(config, rank))
-                proc = subprocess.Popen(cmd + rank_args, stdin=subprocess.PIPE, env=core_env, start_new_session=True)
-                self.procs.append(proc)
-                proc.stdin.write(payload)
-                proc.stdin.close()
+                env = {"TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "false"),
+                       **_core_devices(config, rank)}
+                self.procs.append(spawn_child("paged.core.ipc.engine_core_proc", args + rank_args, config, env))
             self._handshake(start_timeout, cancel)
         except BaseException:
             self.close()

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import queue
@@ -46,6 +45,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from paged.core.engine.child_process import is_orphaned, read_config_from_stdin
 from paged.core.errors import PagedError
 from paged.core.ipc.messages import (
     AbortRequests,
@@ -122,7 +122,7 @@ class EngineCoreProc:
             self.push.send(encoder.encode(item))
 
     def _orphaned(self) -> bool:
-        return os.getppid() != self.parent_pid
+        return is_orphaned(self.parent_pid)
 
     def _handle(self, msg) -> None:
         from paged.core.engine.request import RequestStatus
@@ -258,10 +258,7 @@ def core_main(argv: list[str] | None = None) -> int:
     label = "core" if args.dp_rank is None else f"core {args.dp_rank}"
     logging.basicConfig(level=args.log_level, format=f"%(levelname)s %(name)s ({label}): %(message)s",
                         stream=sys.stderr)
-    from paged.core.config import EngineConfig
-
-    data = json.loads(sys.stdin.read())
-    config = EngineConfig(**data)
+    config = read_config_from_stdin()
     proc = EngineCoreProc(config, args.input, args.output, args.parent_pid, args.dp_rank or 0)
 
     def _stop(signum, frame):  # noqa: ARG001

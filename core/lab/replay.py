@@ -289,7 +289,7 @@ class SimExecutor:
         sched = self.scheduler
         out = sched.schedule()
         snapshot = (len(sched.running), len(sched.waiting), self.kv.usage)
-        sched.update_from_output(out, {s.request.request_id: 0 for s in out.scheduled if s.samples})
+        sched.update_from_output(out, {s.request.request_id: 0 for s in out.scheduled if s.is_sampled})
         return out, snapshot
 
     def check(self, request: LabRequest) -> None:

@@ -82,10 +82,7 @@ def resolve_model(config: EngineConfig, registry: Any, device: torch.device | st
     if check is not None:
         check(hf_config)
     shape = model_attention_shape(spec.factory, architecture, hf_config)
-    try:
-        dtype = get_dtype(config.model.dtype, hf_config, device)
-    except ModelLoadError as e:
-        raise ConfigError(str(e)) from None
+    dtype = get_dtype(config.model.dtype, hf_config, device)
     tokenizer_dir = Path(config.model.tokenizer).expanduser() if config.model.tokenizer else model_dir
     vocab_size = getattr(hf_config, "vocab_size", None)
     if not vocab_size:
