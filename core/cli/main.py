@@ -210,13 +210,8 @@ def _run_prompts(args: argparse.Namespace, engine, items: list[dict[str, Any]], 
     import time
 
     start = time.perf_counter()
-    final = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                final[output.request_id] = output
+    outputs = engine.run_until_finished(ids)
     elapsed = time.perf_counter() - start
-    outputs = [final[i] for i in ids]
     if args.record_trace:
         from paged.core.lab.trace import trace_from_outputs, write_trace
 

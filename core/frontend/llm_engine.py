@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from paged.core.config import EngineConfig
 from paged.core.engine.engine_core import EngineCore
@@ -107,3 +107,22 @@ class LLMEngine:
         if stopped:
             self.core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
+
+    def run_until_finished(
+        self, request_ids: Sequence[str], on_finished: Callable[[RequestOutput], None] | None = None
+    ) -> list[RequestOutput]:
+        """Step until every request has finished; their final outputs in the order of
+        ``request_ids`` (``on_finished`` sees each as it finishes). On any error or interrupt
+        the requests are aborted before it propagates, so the engine stays usable."""
+        final: dict[str, RequestOutput] = {}
+        try:
+            while self.has_unfinished_requests():
+                for output in self.step():
+                    if output.finished:
+                        final[output.request_id] = output
+                        if on_finished is not None:
+                            on_finished(output)
+        except BaseException:
+            self.abort_request(list(request_ids))
+            raise
+        return [final[i] for i in request_ids]
