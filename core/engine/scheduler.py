@@ -314,25 +314,13 @@ class Scheduler:
             request.append_output_token(token)
             if request.first_token_time is None:
                 request.first_token_time = now
-            status = self._check_stop(request, token)
+            status = request.check_stop(self.max_model_len)
             if status is not None:
                 self.running.remove(request)
                 request.status = status
                 self._free(request)
             updated.append(EngineCoreOutput.of(request, logprobs.get(request.request_id) if logprobs else None))
         return updated
-
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        params = request.sampling_params
-        num_output = len(request.output_token_ids)
-        if num_output >= params.min_tokens:
-            if token in params.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if not params.ignore_eos and token == request.eos_token_id:
-                return RequestStatus.FINISHED_STOPPED
-        if num_output >= request.max_tokens or len(request.all_token_ids) >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
 
 def check_request_fits(
