@@ -46,3 +46,28 @@ def test_every_import_in_the_readme_examples_works():
     assert any("paged.core.hookspecs" in line for line in lines)
     for line in lines:
         exec(line, {})
+
+
+def test_a_model_factory_without_attention_shape_is_a_config_error_naming_it():
+    from paged.core.errors import ConfigError
+    from paged.core.model import model_attention_shape
+
+    class NoShape:
+        pass
+
+    with pytest.raises(ConfigError, match="'MyArch'.*attention_shape"):
+        model_attention_shape(NoShape, "MyArch", object())
+
+    class BadShape:
+        @staticmethod
+        def attention_shape(hf_config):
+            return (2, 6, 4, 8)  # 6 query heads cannot share 4 KV heads
+
+    with pytest.raises(ConfigError, match=r"\(2, 6, 4, 8\)"):
+        model_attention_shape(BadShape, "MyArch", object())
+    from paged.models.llama import LlamaForCausalLM
+    from transformers import LlamaConfig
+
+    shape = model_attention_shape(LlamaForCausalLM, "LlamaForCausalLM", LlamaConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3))
+    assert shape == (3, 4, 2, 16) and shape.head_dim == 16
