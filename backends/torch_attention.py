@@ -20,7 +20,7 @@ by every layer); each layer's ``forward`` then
      padding blocks and the stale tail of the last block may hold anything, even NaN: a masked
      NaN still poisons a softmax), and one SDPA call with ``enable_gqa=True`` and a key-padding
      mask attends over the strided ``[B, Hkv, max_len, D]`` view (no ``repeat_interleave``, no
-     ``.contiguous()``: see shared/facts.md, "Attention on the CPU");
+     ``.contiguous()``: both measured slower, see benchmarks/attention_torch.py);
    - prefill chunks, one SDPA call each (there are few per step): the chunk's context, exactly
      positions ``0 .. seq_len - 1``, is gathered token by token through its slots. The queries
      are the last ``q_len`` of those positions, so query ``t`` sees positions
@@ -45,7 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from paged.backends import cpu_paged_decode
 from paged.core.attention import AttentionLayout, BatchInputs, default_allocate_kv_cache, write_kv_by_slot
-from paged.core.engine.kv_cache_manager import cdiv
+from paged.core.utils import ScratchBuffers, cdiv
 
 
 class TorchAttentionOptions(BaseModel):
@@ -114,7 +114,7 @@ class TorchAttentionBackend:
         self._kernel: Callable[..., None] | None = None  # cpu_paged_decode: (q, k/v_cache, table, lens, scale, out)
         if self.options.cpu_decode_kernel and layout.device.type == "cpu":
             self._kernel = cpu_paged_decode.load()  # once per process; None (warned) if it cannot be built
-        self._buffers: dict[str, torch.Tensor] = {}  # gather scratch, reused by every layer and step
+        self._buffers = ScratchBuffers()  # gather scratch, reused by every layer and step
 
     def allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return default_allocate_kv_cache(self.layout, num_blocks)
@@ -230,12 +230,4 @@ class TorchAttentionBackend:
             out[c.query_start : c.query_end] = o[0].transpose(0, 1)
 
     def _scratch(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        """A contiguous ``shape`` view of a persistent buffer that only ever grows."""
-        numel = 1
-        for n in shape:
-            numel *= n
-        buf = self._buffers.get(name)
-        if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
-            buf = torch.empty(numel, dtype=like.dtype, device=like.device)
-            self._buffers[name] = buf
-        return buf[:numel].view(shape)
+        return self._buffers.get(name, shape, like.dtype, like.device)

@@ -61,6 +61,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from paged.core.attention import AttentionLayout, BatchInputs, default_allocate_kv_cache
+from paged.core.utils import ScratchBuffers, cdiv
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 tl: Any = None  # triton.language, bound by _kernels()
@@ -136,7 +137,7 @@ class TritonAttentionMetadata:
 def tile_map(query_lens: np.ndarray, req_offset: int, block_q: int) -> tuple[np.ndarray, np.ndarray]:
     """Tiles of ``block_q`` query tokens for requests whose query lengths are ``query_lens`` (the
     first one being request ``req_offset``): (request index, first token within the request)."""
-    n_tiles = -(-query_lens // block_q)
+    n_tiles = cdiv(query_lens, block_q)
     reqs = np.repeat(np.arange(len(query_lens), dtype=np.int64) + req_offset, n_tiles)
     first = np.repeat(np.cumsum(n_tiles) - n_tiles, n_tiles)
     starts = (np.arange(int(n_tiles.sum()), dtype=np.int64) - first) * block_q
@@ -172,7 +173,7 @@ class TritonAttentionBackend:
         # bf16 arithmetic is wrong in the interpreter: upcast there; fp32 tiles use exact fp32 dots
         self.upcast = self.interpret and layout.dtype == torch.bfloat16
         self.dot_precision = "ieee" if layout.dtype == torch.float32 or self.upcast else "tf32"
-        self._scratch: dict[str, torch.Tensor] = {}
+        self._scratch = ScratchBuffers()  # fp32 split partials, grown on demand
 
     def allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return default_allocate_kv_cache(self.layout, num_blocks)
@@ -260,7 +261,7 @@ class TritonAttentionBackend:
         width = num_kv_heads * head_dim
         width_p = _pow2(width)
         block_t = 16 if self.interpret else max(1, min(8, 8192 // width_p))  # <= 8K values per program
-        self.kernels.write_kv[(_cdiv(num_tokens, block_t),)](
+        self.kernels.write_kv[(cdiv(num_tokens, block_t),)](
             key, value, k_cache, v_cache, slot_mapping, num_tokens,
             key.stride(0), key.stride(1), key.stride(2),
             value.stride(0), value.stride(1), value.stride(2),
@@ -276,8 +277,8 @@ class TritonAttentionBackend:
         split = launch.num_splits > 1
         if split:
             n_tok = launch.tok_hi - launch.tok_lo
-            acc = self._buffer("acc", (launch.num_splits, n_tok, num_heads, head_dim), query.device)
-            ml = self._buffer("ml", (2, launch.num_splits, n_tok, num_heads), query.device)
+            acc = self._scratch.get("acc", (launch.num_splits, n_tok, num_heads, head_dim), torch.float32, query.device)
+            ml = self._scratch.get("ml", (2, launch.num_splits, n_tok, num_heads), torch.float32, query.device)
             dst, m_buf, l_buf = acc, ml[0], ml[1]
             s_dst, t_dst, h_dst, d_dst = acc.stride()
             s_ml, t_ml, h_ml = m_buf.stride()
@@ -311,18 +312,6 @@ class TritonAttentionBackend:
                 NUM_HEADS=num_heads, HEADS_P=_pow2(num_heads), HEAD_DIM=head_dim, HEAD_DIM_P=self.head_dim_p,
                 num_warps=4,
             )  # fmt: skip
-
-    def _buffer(self, name: str, shape: tuple[int, ...], device) -> torch.Tensor:
-        numel = int(np.prod(shape))
-        buf = self._scratch.get(name)
-        if buf is None or buf.numel() < numel or buf.device != torch.device(device):
-            buf = torch.empty(numel, dtype=torch.float32, device=device)
-            self._scratch[name] = buf
-        return buf[:numel].view(shape)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @functools.cache

@@ -1,4 +1,4 @@
-"""Decode attention per layer with the torch backend (compare with shared/facts.md).
+"""Decode attention per layer with the torch backend (gather + SDPA vs the fused CPU kernel).
 
     python benchmarks/attention_torch.py [--device cuda] [--batch 16] [--context 512]
     python benchmarks/attention_torch.py --kernel-sweep     # CPU: gather + SDPA vs the fused kernel

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     from paged import LLM, SamplingParams
 
     llm = LLM(args.model, device="cpu", dtype=args.dtype, attention="torch", max_num_seqs=1)
-    hf_config = llm.engine.core.runner.hf_config
+    hf_config = llm.engine.core.model_config.hf_config
     itemsize = 4 if args.dtype == "float32" else 2
     prompt = np.random.default_rng(0).integers(1000, 20000, args.prompt_tokens).tolist()
     params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)

@@ -91,7 +91,7 @@ def simulate(sched: Scheduler, requests: list[Request], profile: bool = False) -
         t1, c1 = perf(), cpu()
         if profiler:
             profiler.disable()
-        sampled = {s.request.request_id: 1 for s in out.scheduled if s.samples}  # "the model"
+        sampled = {s.request.request_id: 1 for s in out.scheduled if s.is_sampled}  # "the model"
         # KV utilization after allocation: tokens held / slots in the blocks in use.
         blocks_in_use = kv.num_blocks - kv.num_free_blocks
         util = 0.0

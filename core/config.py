@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from paged.core.errors import ConfigError
+from paged.core.hookspecs import AttentionBackendSpec, PolicySpec
 
 logger = logging.getLogger("paged")
 
@@ -314,13 +315,15 @@ def parse_key_values(items: list[str] | None, flag: str) -> dict[str, Any]:
 # --- plugin names and options ---------------------------------------------------------------
 @dataclass(frozen=True)
 class ResolvedPlugins:
-    policy: Any  # PolicySpec
+    """The selected policy and attention backend, with their validated options."""
+
+    policy: PolicySpec
     policy_options: BaseModel | None
-    attention: Any  # AttentionBackendSpec
+    attention: AttentionBackendSpec
     attention_options: BaseModel | None
 
 
-def _validate_options(spec: Any, options: dict[str, Any], field_name: str) -> BaseModel | None:
+def _validate_options(spec: PolicySpec | AttentionBackendSpec, options: dict[str, Any], field_name: str) -> BaseModel | None:
     if spec.options is None:
         if options:
             raise ConfigError(f"{field_name}: {spec.name!r} takes no options, got {sorted(options)}")

@@ -1,4 +1,4 @@
-"""The three extension points of paged.
+"""The three extension points of paged, and where their contracts are.
 
 Each hook is a *registration* hook: it is called once, when plugins are loaded at start-up, and
 returns plain objects (specs) that the core keeps in registries. Nothing here is called per step
@@ -11,6 +11,13 @@ A plugin is a module (found through the ``paged`` entry-point group) that implem
     @hookimpl
     def register_policies():
         return [PolicySpec(name="shortest-first", factory=ShortestFirst, options=ShortestOptions)]
+
+The contracts the specs' factories meet: ``paged.core.policy`` (scheduling policies),
+``paged.core.attention`` (attention backends) and ``paged.core.model`` (model architectures;
+``AttentionShape``, ``CausalLM`` and ``ModelClass`` are re-exported here). A model plugin builds
+its layers from ``paged.models.layers`` (tensor-parallel linears, embeddings, norms, rotary,
+attention) and loads its checkpoint with ``paged.core.loading.weights.load_checkpoint``;
+``tests/fixtures/paged-gpt2-plugin`` is a complete example.
 """
 
 from __future__ import annotations
@@ -20,6 +27,13 @@ from typing import Any, Callable
 
 import pluggy
 from pydantic import BaseModel
+
+from paged.core.model import AttentionShape, CausalLM, ModelClass
+
+__all__ = [
+    "AttentionBackendSpec", "AttentionShape", "CausalLM", "ModelClass", "ModelSpec", "PagedHookSpecs",
+    "PolicySpec", "hookimpl", "hookspec",
+]
 
 PROJECT = "paged"
 ENTRY_POINT_GROUP = "paged"
@@ -60,9 +74,12 @@ class AttentionBackendSpec:
 class ModelSpec:
     """A model architecture, keyed by the HF ``architectures`` name in config.json.
 
-    ``factory(hf_config, backend, dtype, device) -> nn.Module`` with ``load_weights``,
-    ``forward(input_ids, positions, kv_caches, attn_metadata)`` and ``compute_logits`` (see
-    paged.models.llama, the reference implementation).
+    ``factory`` meets ``ModelClass`` (see ``paged.core.model`` for the whole contract, in the
+    order the engine uses it): ``factory.attention_shape(hf_config) -> AttentionShape``,
+    optionally ``factory.check_config(hf_config)``, and ``factory(hf_config, backend, dtype,
+    device) -> CausalLM`` with ``load_weights``, ``forward(input_ids, positions, kv_caches,
+    attn_metadata)``, ``compute_logits`` (rank 0 returns the logits, other ranks None) and
+    optionally ``prepack_weights``. ``paged.models.llama`` is the reference implementation.
     """
 
     architecture: str

@@ -102,10 +102,6 @@ class SamplingParams:
         if not 0.01 <= self.repetition_penalty <= 100.0:  # logits are divided by it in float32
             bad("repetition_penalty", "must be in [0.01, 100] (1 disables it)")
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
     def copy(self, **changes) -> "SamplingParams":
         return replace(self, **changes)
 

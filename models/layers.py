@@ -16,7 +16,6 @@ vocabulary. Each parameterised module says which slice of which checkpoint tenso
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,6 +24,8 @@ from torch import nn
 
 from paged.core.engine.distributed import HeadShard, get_tp, shard_heads, shard_range
 from paged.core.errors import ModelLoadError
+from paged.core.loading.weights import CheckpointSlice, whole_parameters  # re-exported: public here too
+from paged.core.utils import cdiv
 
 # ---- parameters without initialisation ------------------------------------------------------
 
@@ -33,32 +34,10 @@ def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str | N
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
-@dataclass(frozen=True)
-class CheckpointSlice:
-    """One checkpoint tensor's destination: ``param.narrow(dim, dest_start, length)`` is filled
-    from ``tensor.narrow(dim, src_start, length)``; the checkpoint tensor must be ``full_shape``."""
-
-    param: nn.Parameter
-    dim: int
-    dest_start: int
-    src_start: int
-    length: int
-    full_shape: tuple[int, ...]
-
-    @classmethod
-    def whole(cls, param: nn.Parameter) -> "CheckpointSlice":
-        return cls(param, 0, 0, 0, param.shape[0], tuple(param.shape))
-
-
 def _with_dim(shape: torch.Size, dim: int, size: int) -> tuple[int, ...]:
     out = list(shape)
     out[dim] = size
     return tuple(out)
-
-
-def whole_parameters(name: str, module: nn.Module) -> dict[str, CheckpointSlice]:
-    """The default: each of ``module``'s own parameters is one whole checkpoint tensor."""
-    return {f"{name}.{kind}": CheckpointSlice.whole(p) for kind, p in module.named_parameters(recurse=False)}
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed_weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
@@ -159,7 +138,7 @@ class VocabParallelEmbedding(nn.Module):
         self.tp = get_tp()
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.shard_size = -(-num_embeddings // self.tp.size)
+        self.shard_size = cdiv(num_embeddings, self.tp.size)
         self.vocab_start = self.tp.rank * self.shard_size
         self.vocab_end = min(self.vocab_start + self.shard_size, num_embeddings)
         self.weight = _empty_param(self.shard_size, embedding_dim, dtype=dtype, device=device)

@@ -6,7 +6,9 @@ Contract relied on by the model runner::
     model.load_weights(iter_of_(hf_name, tensor))
     hidden = model(input_ids[T], positions[T], kv_caches, attn_metadata)   # [T, hidden_size]
     logits = model.compute_logits(hidden[N])     # [N, vocab] float32 (None on ranks other than 0)
-    attention_shape(hf_config) -> (num_layers, num_heads, num_kv_heads, head_dim)
+    LlamaForCausalLM.attention_shape(hf_config) -> AttentionShape
+
+(the engine's side of it is ``paged.core.model``).
 
 Module names follow the HF checkpoint except for the fused projections: ``qkv_proj`` (loaded
 from ``q_proj``, ``k_proj``, ``v_proj``) and ``gate_up_proj`` (from ``gate_proj``, ``up_proj``).
@@ -21,26 +23,27 @@ import torch
 from torch import nn
 
 from paged.core.errors import ModelLoadError
+from paged.core.loading.weights import load_checkpoint
+from paged.core.model import AttentionShape
 from paged.models.layers import (
     Attention,
-    CheckpointSlice,
     GatedMLP,
     ParallelLMHead,
     RMSNorm,
     RotaryEmbedding,
     VocabParallelEmbedding,
+    prepack_cpu_linears,
     rope_settings,
-    whole_parameters,
 )
 
 
-def attention_shape(hf_config: Any) -> tuple[int, int, int, int]:
+def attention_shape(hf_config: Any) -> AttentionShape:
     """``(num_layers, num_heads, num_kv_heads, head_dim)``; ``head_dim`` is the config's when it
     has one, else ``hidden_size // num_attention_heads``."""
     num_heads = int(hf_config.num_attention_heads)
     num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_heads)
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-    return int(hf_config.num_hidden_layers), num_heads, num_kv_heads, int(head_dim)
+    return AttentionShape(int(hf_config.num_hidden_layers), num_heads, num_kv_heads, int(head_dim))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -126,11 +129,6 @@ class LlamaModel(nn.Module):
         return hidden_states
 
 
-def _listing(items: list[str], limit: int = 12) -> str:
-    shown = ", ".join(items[:limit])
-    return shown + (f", ... and {len(items) - limit} more" if len(items) > limit else "")
-
-
 class LlamaForCausalLM(nn.Module):
     """``LlamaForCausalLM`` of HF: RMSNorm, rotary (default or llama3 scaling), GQA, gated SiLU."""
 
@@ -188,49 +186,18 @@ class LlamaForCausalLM(nn.Module):
 
     # ---- weights ---------------------------------------------------------------------------------
 
-    def _expected_tensors(self) -> dict[str, CheckpointSlice]:
-        """Checkpoint name -> the slice of a parameter it fills (and the slice of it to read)."""
-        expected: dict[str, CheckpointSlice] = {}
-        owned: set[int] = set()  # a tied lm_head holds the embedding's parameter: loaded once, as the embedding
-        for name, module in self.named_modules():
-            slices = module.checkpoint_slices(name) if hasattr(module, "checkpoint_slices") else whole_parameters(name, module)
-            expected.update((k, w) for k, w in slices.items() if id(w.param) not in owned)
-            owned.update(id(p) for p in module.parameters(recurse=False))
-        return expected
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (fused) parameters, converting dtype and device.
 
         Raises ModelLoadError naming every missing tensor, unexpected tensor and shape mismatch.
         ``rotary_emb.*`` buffers are ignored; so is ``lm_head.weight`` when embeddings are tied.
         """
-        expected = self._expected_tensors()
-        loaded: set[str] = set()
-        unexpected: list[str] = []
-        mismatched: list[str] = []
-        with torch.no_grad():
-            for name, tensor in weights:
-                if "rotary_emb." in name or (self.tie_word_embeddings and name == "lm_head.weight"):
-                    continue
-                target = expected.get(name)
-                if target is None:
-                    unexpected.append(name)
-                    continue
-                if tuple(tensor.shape) != target.full_shape:
-                    mismatched.append(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {target.full_shape}")
-                    loaded.add(name)  # present, reported as a mismatch rather than as missing
-                    continue
-                dest = target.param.narrow(target.dim, target.dest_start, target.length)
-                dest.copy_(tensor.narrow(target.dim, target.src_start, target.length))
-                loaded.add(name)
-        missing = [name for name in expected if name not in loaded]
-        if missing or unexpected or mismatched:
-            parts = []
-            if missing:
-                parts.append(f"missing tensors ({len(missing)}): {_listing(missing)}")
-            if unexpected:
-                parts.append(f"unexpected tensors ({len(unexpected)}): {_listing(unexpected)}")
-            if mismatched:
-                parts.append(f"shape mismatches ({len(mismatched)}): {_listing(mismatched, 6)}")
-            raise ModelLoadError(f"{self.architecture}: the checkpoint does not fit the model: " + "; ".join(parts))
+        tied = self.tie_word_embeddings
+        load_checkpoint(
+            self, weights, self.architecture,
+            ignore=lambda name: "rotary_emb." in name or (tied and name == "lm_head.weight"),
+        )
 
+    def prepack_weights(self) -> int:
+        """bfloat16 on a CPU: oneDNN-packed copies of the linear weights (``prepack_cpu_linears``)."""
+        return prepack_cpu_linears(self)

@@ -9,7 +9,8 @@ import pytest
 from paged.core.frontend.async_llm import AsyncLLM
 from paged.core.config import load_config
 from paged.core.engine.engine_core import ModelInfo
-from paged.core.ipc.engine_core_proc import AbortRequests, AddRequest, CoreOutput, Outputs, UtilityCall
+from paged.core.engine.outputs import EngineCoreOutput
+from paged.core.ipc.messages import AbortRequests, AddRequest, Outputs, UtilityCall
 from paged.core.sampling_params import SamplingParams
 
 BLOCK = 16
@@ -92,8 +93,8 @@ def test_children_aborts_and_finishes_go_to_their_cores(tokenizer):
         assert _adds(client) == {"a#0": 0, "a#1": 0, "b": 1, "c": 1}
         assert llm.core_loads() == [2, 2]
         # a#0 finishes in core 0; b ends its text with nothing to abort.
-        llm._process_outputs(Outputs([CoreOutput("a#0", [11], finish_reason="length"),
-                                      CoreOutput("b", [12], finish_reason="stop")], 1.0))
+        llm._process_outputs(Outputs([EngineCoreOutput("a#0", [11], finish_reason="length"),
+                                      EngineCoreOutput("b", [12], finish_reason="stop")], 1.0))
         assert llm.core_loads() == [1, 1]
         # The client of "a" goes away: only a#1 is aborted, and only in core 0.
         llm.abort("a")
@@ -102,7 +103,7 @@ def test_children_aborts_and_finishes_go_to_their_cores(tokenizer):
         llm.abort("a")  # twice: nothing more is sent
         assert len(_aborts(client)) == 1
         # A late output of the aborted child changes nothing.
-        llm._process_outputs(Outputs([CoreOutput("a#1", [13], finish_reason="abort")], 2.0))
+        llm._process_outputs(Outputs([EngineCoreOutput("a#1", [13], finish_reason="abort")], 2.0))
         assert llm.core_loads() == [0, 1]
         # A dead core: every pending request fails, the router forgets all, the others are stopped.
         stream = llm.streams["c"]

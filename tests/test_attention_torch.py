@@ -15,7 +15,7 @@ import torch
 
 from paged.backends.torch_attention import TorchAttentionBackend, TorchAttentionOptions
 from paged.core.attention import AttentionBackend, AttentionLayout
-from paged.core.engine.kv_cache_manager import cdiv
+from paged.core.utils import cdiv
 
 from batch_helpers import make_batch
 

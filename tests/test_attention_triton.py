@@ -41,7 +41,7 @@ from paged.backends.triton_attention import (  # noqa: E402
     tile_map,
 )
 from paged.core.attention import AttentionLayout  # noqa: E402
-from paged.core.engine.kv_cache_manager import cdiv  # noqa: E402
+from paged.core.utils import cdiv  # noqa: E402
 
 from batch_helpers import make_batch  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Unit tests of the block pool and the KV-cache manager, one rule at a time.
 
 The expectations are computed by hand from the documented rules (core/engine/block_pool.py and
-core/engine/kv_cache_manager.py docstrings, design.md "The KV cache").
+core/engine/kv_cache_manager.py docstrings).
 """
 
 from __future__ import annotations

@@ -185,7 +185,7 @@ def test_combine_core_stats():
 
 def test_each_gpu_core_sees_its_own_slice_of_the_gpus(monkeypatch):
     from paged.core.config import load_config
-    from paged.core.ipc.engine_core_proc import _core_devices
+    from paged.core.ipc.client import _core_devices
     from paged.core.errors import ConfigError
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")

@@ -24,7 +24,8 @@ from hypothesis import HealthCheck, event, settings, target
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from paged.core.errors import InvalidRequestError
-from paged.core.engine.kv_cache_manager import KVCacheManager, cdiv
+from paged.core.engine.kv_cache_manager import KVCacheManager
+from paged.core.utils import cdiv
 from paged.core.engine.request import Request, RequestStatus
 from paged.core.sampling_params import SamplingParams
 from paged.core.engine.scheduler import Scheduler
@@ -200,7 +201,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.check_all()
         # The model may give a token to every scheduled request: only those that sample take it.
         sampled = {s.request.request_id: data.draw(ALPHABET, label="token") for s in output.scheduled}
-        takes = {s.request.request_id for s in output.scheduled if s.samples}
+        takes = {s.request.request_id for s in output.scheduled if s.is_sampled}
         if output.scheduled and data.draw(st.integers(0, 7), label="abort mid-step") == 0:
             # Aborted after schedule(), before the model's output comes back.
             victim = data.draw(st.sampled_from(output.scheduled), label="aborted").request
@@ -366,7 +367,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert steps <= MAX_DRAIN_STEPS, "scheduler made no progress"
             output = self._schedule_and_write()
             self.check_all()
-            self.sched.update_from_output(output, {s.request.request_id: 1 for s in output.scheduled if s.samples})
+            self.sched.update_from_output(output, {s.request.request_id: 1 for s in output.scheduled if s.is_sampled})
         self.check_all()
         # Steering: more preemptions and more prefix-hit tokens are the interesting paths.
         target(float(self.num_preempted), label="preemptions")

@@ -316,7 +316,7 @@ def test_attention_shape_and_dtype(hf_models):
     assert loader.get_dtype("bfloat16", cfg, "cpu") == torch.bfloat16
     cfg.dtype = torch.float16
     assert loader.get_dtype("auto", cfg, "cuda") == torch.float16
-    with pytest.raises(ModelLoadError, match="float64"):
+    with pytest.raises(ConfigError, match="float64"):
         loader.get_dtype("float64", cfg, "cpu")
 
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from fixture_packages import pip_install_fixture
 from paged.core.config import load_config, resolve_plugins
 from paged.core.errors import ConfigError, PluginError
 from paged.core.registry import get_registry, load_plugins
 
-FIXTURE = Path(__file__).parent / "fixtures" / "paged-example-plugin"
 
 
 def _module_dir(tmp_path: Path, monkeypatch, files: dict[str, str]) -> None:
@@ -188,21 +188,7 @@ def test_paged_plugins_lists_text_and_json():
 
 @pytest.fixture(scope="module")
 def example_plugin_site(tmp_path_factory):
-    """pip-install the example plugin package (its own pyproject and entry point) into a
-    separate target directory, without touching paged or the test environment."""
-    target = tmp_path_factory.mktemp("site")
-    build = tmp_path_factory.mktemp("build")
-    src = build / "paged-example-plugin"
-    import shutil
-
-    shutil.copytree(FIXTURE, src)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
-         "--target", str(target), str(src)],
-        capture_output=True, text=True,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return target
+    return pip_install_fixture("paged-example-plugin", tmp_path_factory.mktemp("site"), tmp_path_factory.mktemp("build"))
 
 
 def test_installed_example_plugin_is_listed_and_selectable(example_plugin_site):

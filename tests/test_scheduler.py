@@ -1,6 +1,6 @@
 """Scheduler scenarios: budget, chunking, continuous batching, preemption, priority displacement,
 aging, abort, admission checks and stop conditions. No model: each step samples a fixed or given
-token for every scheduled request whose prefill completes (``ScheduledRequest.samples``)."""
+token for every scheduled request whose prefill completes (``ScheduledRequest.is_sampled``)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import random
 
 import pytest
 
-from paged.core.errors import InvalidRequestError
-from paged.core.engine.kv_cache_manager import KVCacheManager, cdiv
+from paged.core.errors import ConfigError, InvalidRequestError
+from paged.core.engine.kv_cache_manager import KVCacheManager
+from paged.core.utils import cdiv
 from paged.core.engine.request import Request, RequestStatus
 from paged.core.sampling_params import SamplingParams
 from paged.core.engine.scheduler import Scheduler
@@ -69,7 +70,7 @@ def step(s: Scheduler, token=TOKEN):
     out = s.schedule()
     sampled = {}
     for x in out.scheduled:
-        if x.samples:
+        if x.is_sampled:
             sampled[x.request.request_id] = token.get(x.request.request_id, TOKEN) if isinstance(token, dict) else token
     s.update_from_output(out, sampled)
     return out
@@ -147,7 +148,7 @@ def test_long_prefill_token_threshold_caps_chunks():
     for _ in range(5):
         out = step(s)
         chunks.append(out.scheduled[0].num_new_tokens)
-        samples.append(out.scheduled[0].samples)
+        samples.append(out.scheduled[0].is_sampled)
     assert chunks == [8, 8, 4, 1, 1]
     assert samples == [False, False, True, True, True]
     assert r.status == RequestStatus.FINISHED_LENGTH and r.output_token_ids == [TOKEN] * 3
@@ -160,18 +161,18 @@ def test_budget_is_split_and_prefill_chunks_mix_with_decodes():
         s.add_request(r)
     out = step(s)
     assert sched_map(out) == {a.request_id: 8, b.request_id: 2}  # b gets what a leaves
-    assert [x.samples for x in out.scheduled] == [True, False]
+    assert [x.is_sampled for x in out.scheduled] == [True, False]
     out = step(s)
     # a decodes (1), b finishes its prefill (6), c starts with the 3 tokens left
     assert sched_map(out) == {a.request_id: 1, b.request_id: 6, c.request_id: 3}
-    assert [x.samples for x in out.scheduled] == [True, True, False]
+    assert [x.is_sampled for x in out.scheduled] == [True, True, False]
     out = step(s)
     assert sched_map(out) == {a.request_id: 1, b.request_id: 1, c.request_id: 8}
     assert out.num_scheduled_tokens == 10
 
 
 def test_without_chunked_prefill_a_prompt_is_admitted_whole():
-    with pytest.raises(InvalidRequestError, match="max_num_batched_tokens"):
+    with pytest.raises(ConfigError, match="max_num_batched_tokens"):
         make_sched(chunked=False, max_num_batched_tokens=16, max_model_len=64)
     s = make_sched(chunked=False, max_num_batched_tokens=64, max_model_len=64)
     a, b = req(n=40, max_tokens=2), req(n=30, max_tokens=2)
@@ -192,7 +193,7 @@ def test_prefix_hit_skips_cached_tokens():
     s.add_request(b)
     out = s.schedule()
     x = out.scheduled[0]
-    assert x.num_computed_tokens == 8 and x.num_new_tokens == 4 and x.samples
+    assert x.num_computed_tokens == 8 and x.num_new_tokens == 4 and x.is_sampled
     assert b.num_cached_tokens == 8
     # the block ids sent to the runner are the whole table: the 2 hits, then 1 new block
     assert x.new_block_ids == s.kv.get_block_ids(b.request_id) and len(x.new_block_ids) == 3
@@ -273,7 +274,7 @@ def test_preempted_request_restarts_from_zero_keeps_output_and_finishes():
                 readmitted = x
     # Recompute of prompt + the kept output token; the prompt's cached blocks may be reused.
     assert readmitted.num_computed_tokens + readmitted.num_new_tokens == 9
-    assert readmitted.samples
+    assert readmitted.is_sampled
     assert c.status == RequestStatus.FINISHED_LENGTH
     assert c.output_token_ids == [TOKEN] * 6 and c.num_tokens == 14
     assert c.num_cached_tokens == 0  # the hit at first admission
@@ -506,7 +507,7 @@ def test_abort_waiting_running_mid_prefill_and_preempted():
     assert out.finished_request_ids == [d.request_id]
     s.finish_requests([b.request_id], RequestStatus.FINISHED_ABORTED)
     updated = s.update_from_output(out, {x.request.request_id: TOKEN for x in out.scheduled})
-    assert b not in updated and b.status == RequestStatus.FINISHED_ABORTED
+    assert b.request_id not in {o.request_id for o in updated} and b.status == RequestStatus.FINISHED_ABORTED
     s.finish_requests([c.request_id], RequestStatus.FINISHED_ABORTED)
     assert not s.has_unfinished_requests()
     assert_all_free(s)
@@ -633,6 +634,6 @@ def test_token_for_a_request_still_in_prefill_is_ignored():
     r = req(n=10, max_tokens=2)
     s.add_request(r)
     out = s.schedule()
-    assert not out.scheduled[0].samples
+    assert not out.scheduled[0].is_sampled
     assert s.update_from_output(out, {r.request_id: TOKEN}) == []
     assert r.output_token_ids == [] and r.num_tokens == 10

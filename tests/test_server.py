@@ -174,11 +174,11 @@ def model_name(client):
 
 # --- unit: the wire protocol -------------------------------------------------------------------
 def test_msgspec_messages_round_trip():
-    from paged.core.engine.engine_core import EngineCoreOutput, ModelInfo
-    from paged.core.ipc.engine_core_proc import (
+    from paged.core.engine.engine_core import ModelInfo
+    from paged.core.engine.outputs import EngineCoreOutput
+    from paged.core.ipc.messages import (
         AbortRequests, CoreFailed, Outputs, Ready, RequestFailed, UtilityCall, UtilityResult,
-        make_encoder, message_decoder, output_from_wire, output_to_wire, request_decoder, request_from_wire,
-        request_to_wire,
+        make_encoder, message_decoder, request_decoder, request_from_wire, request_to_wire,
     )
     from paged.core.engine.request import Request
     from paged.core.engine.sampler import TokenLogprobs
@@ -206,13 +206,13 @@ def test_msgspec_messages_round_trip():
                            num_preemptions=1)
     plain = EngineCoreOutput("r-2", [5, 6])
     info = ModelInfo("/models/x", 2048, 49152, [2, 3], 100, 16)
-    messages = [Ready(info, 1234), Outputs([output_to_wire(out), output_to_wire(plain)], 99.5),
+    messages = [Ready(info, 1234), Outputs([out, plain], 99.5),
                 UtilityResult(4, {"num_free_blocks": 3}), UtilityResult(5, None, "boom"),
                 RequestFailed("r-3", "prompt: too long"), CoreFailed("CUDA error")]
     for msg in messages:
         assert message_decoder().decode(enc.encode(msg)) == msg
     decoded = message_decoder().decode(enc.encode(messages[1]))
-    assert [output_from_wire(o) for o in decoded.outputs] == [out, plain]
+    assert decoded.outputs == [out, plain]  # the engine's own output type, unchanged by the wire
     # A message of the wrong direction, or garbage, is a decode error, not an arbitrary object.
     import msgspec
 
@@ -445,7 +445,7 @@ def test_core_exits_when_front_end_dies(default_model_dir, tmp_path):
     script = (
         "import sys, time\n"
         "from paged.core.config import load_config\n"
-        "from paged.core.ipc.engine_core_proc import EngineCoreClient\n"
+        "from paged.core.ipc.client import EngineCoreClient\n"
         f"cfg = load_config(None, {{'model': {{'model': {default_model_dir!r}}}, 'device': 'cpu', "
         "'attention': {'backend': 'torch'}, 'cache': {'num_blocks': 32}})\n"
         "c = EngineCoreClient(cfg)\n"

@@ -23,7 +23,7 @@ from paged.core.cli.flags import (
 )
 from paged.core.cli.show_config import cmd_config
 from paged.core.config import EngineConfig
-from paged.core.errors import PagedError
+from paged.core.errors import ConfigError, PagedError
 
 _CFG = CFG  # the lab's flags share the dests
 
@@ -169,13 +169,8 @@ def _run_prompts(args: argparse.Namespace, engine, items: list[dict[str, Any]], 
     import time
 
     start = time.perf_counter()
-    final = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                final[output.request_id] = output
+    outputs = engine.run_until_finished(ids)
     elapsed = time.perf_counter() - start
-    outputs = [final[i] for i in ids]
     if args.record_trace:
         from paged.core.lab.trace import trace_from_outputs, write_trace
 
@@ -260,14 +255,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     resolve_plugins(config, device=_device_for_check(config))  # bad plugin names fail before anything starts
     if os.environ.get("WORLD_SIZE", "1") != "1" and config.parallel.data_parallel_size > 1:
-        raise PagedError(
+        raise ConfigError(
             f"parallel.data_parallel_size: {config.parallel.data_parallel_size} cannot be combined with a "
             "torchrun launch (WORLD_SIZE is set); under torchrun use --tensor-parallel-size only"
         )
     if _is_torchrun_worker():
         return _run_torchrun_worker(config)
+    make_recorder = None
+    if args.record_trace:
+        from paged.core.lab.trace import TraceRecorder
+
+        def make_recorder() -> TraceRecorder:
+            logging.getLogger("paged").info("recording the served requests as a lab trace in %s", args.record_trace)
+            return TraceRecorder(args.record_trace, "paged serve")
+
     return run_server(config, access_log=args.access_log, log_level="warning" if args.quiet else "info",
-                      record_trace=args.record_trace)
+                      make_trace_recorder=make_recorder)
 
 
 # --- paged bench -----------------------------------------------------------------------------

@@ -13,10 +13,9 @@ from dataclasses import dataclass
 
 from paged.core.engine.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
 from paged.core.engine.request import Request
+from paged.core.utils import cdiv
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def extend_block_hashes(hashes: list[bytes], token_ids: list[int], block_size: int,

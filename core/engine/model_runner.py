@@ -1,11 +1,11 @@
 """Runs one scheduled step on the model: flatten the batch, forward, sample.
 
-Flattening (design.md, step 2): requests are ordered decodes first, then prefill chunks. For
+Flattening: requests are ordered decodes first, then prefill chunks. For
 each scheduled request the tokens ``all_token_ids[num_computed : num_computed + num_new]`` are
 laid end to end in ``input_ids`` with their ``positions``; ``query_start_loc`` holds the running
 sum of query lengths, ``seq_lens`` the context after this step, ``block_table`` one padded row per
 request and ``slot_mapping`` the cache slot of every new token. Logits are computed only at the
-last token of requests whose known tokens are all computed after this step (``samples``).
+last token of requests whose known tokens are all computed after this step (``is_sampled``).
 
 The runner keeps each request's block ids across steps (admission sends the full list, later
 steps only the new blocks), so a step costs O(new tokens + requests), not O(blocks held).
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,9 +29,12 @@ import torch
 from paged.core.attention import AttentionLayout, BatchInputs
 from paged.core.config import EngineConfig, ResolvedPlugins
 from paged.core.engine.distributed import get_tp, shard_heads
-from paged.core.engine.kv_cache_manager import cdiv
+from paged.core.utils import cdiv
 from paged.core.engine.sampler import Sampler, SamplerOutput
 from paged.core.engine.scheduler import SchedulerOutput
+from paged.core.errors import ConfigError
+from paged.core.loading.loader import build_model
+from paged.core.loading.model_config import ResolvedModel
 
 logger = logging.getLogger("paged")
 
@@ -41,8 +43,6 @@ def resolve_device(setting: str) -> torch.device:
     if setting == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if setting == "cuda" and not torch.cuda.is_available():
-        from paged.core.errors import ConfigError
-
         raise ConfigError("device: 'cuda' was asked for but no CUDA GPU is available; use 'cpu' or 'auto'")
     return torch.device(setting)
 
@@ -88,28 +88,18 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, plugins: ResolvedPlugins, registry, device: torch.device) -> None:
-        from paged.models.llama import attention_shape
-        from paged.core.loading.loader import build_model, get_dtype, load_hf_config, resolve_model_dir
-
+    def __init__(self, config: EngineConfig, plugins: ResolvedPlugins, model: ResolvedModel, device: torch.device) -> None:
+        """Build this rank's share of ``model`` (resolved beforehand, see
+        ``paged.core.loading.model_config``) around the attention backend, then size and
+        allocate the KV cache."""
         self.config = config
         self.device = device
-        self.model_dir = resolve_model_dir(config.model.model, config.model.revision)
-        self.hf_config = load_hf_config(self.model_dir)
-        architecture = (getattr(self.hf_config, "architectures", None) or ["(none)"])[0]
-        model_spec = registry.model(architecture)
-        self.dtype = get_dtype(config.model.dtype, self.hf_config, device)
-        model_limit = int(getattr(self.hf_config, "max_position_embeddings", 0) or 0) or None
-        self.max_model_len = config.model.max_model_len or model_limit or 4096
-        if model_limit is not None and self.max_model_len > model_limit:
-            from paged.core.errors import ConfigError
-
-            raise ConfigError(
-                f"model.max_model_len: {self.max_model_len} exceeds the model's max_position_embeddings "
-                f"({model_limit}); use at most {model_limit}"
-            )
+        self.model_config = model
+        self.dtype = model.dtype
+        self.max_model_len = model.max_model_len
+        self.vocab_size = model.vocab_size
         self.block_size = config.cache.block_size
-        num_layers, num_heads, num_kv_heads, head_dim = attention_shape(self.hf_config)
+        num_layers, num_heads, num_kv_heads, head_dim = model.attention_shape
         self.tp = get_tp()
         # Every rank checks every rank's share, so an impossible split fails alike everywhere,
         # before any collective. The model's layers split the heads the same way.
@@ -118,14 +108,10 @@ class ModelRunner:
             num_layers, heads.num_heads, heads.num_kv_heads, head_dim, self.block_size, self.dtype, device
         )
         self.backend = plugins.attention.factory(self.layout, plugins.attention_options)
-        t0 = time.perf_counter()
-        self.model = build_model(self.model_dir, self.hf_config, model_spec.factory, self.backend, self.dtype, device)
-        if device.type == "cpu" and self.dtype == torch.bfloat16 and config.model.cpu_prepack_weights:
-            from paged.models.layers import prepack_cpu_linears
-
-            prepack_cpu_linears(self.model)
-        self.load_time_s = time.perf_counter() - t0
-        self.vocab_size = int(self.hf_config.vocab_size)
+        self.model = build_model(model.model_dir, model.hf_config, model.spec.factory, self.backend, self.dtype, device)
+        prepack = getattr(self.model, "prepack_weights", None)
+        if prepack is not None and device.type == "cpu" and self.dtype == torch.bfloat16 and config.model.cpu_prepack_weights:
+            prepack()
         self.sampler = Sampler(self.vocab_size, device) if self.tp.is_first else None
 
         self.num_blocks = self._agree_on_num_blocks(self._determine_num_blocks())
@@ -159,8 +145,6 @@ class ModelRunner:
             budget = int((cache.kv_cache_memory_gib or 1.0) * 2**30)
         num_blocks = budget // per_block
         if num_blocks < 1:
-            from paged.core.errors import ConfigError
-
             raise ConfigError(
                 f"cache: the KV budget ({budget / 2**30:.3f} GiB) is smaller than one block "
                 f"({per_block} bytes); raise kv_cache_memory_gib or gpu_memory_utilization"
@@ -302,7 +286,7 @@ class ModelRunner:
                 pos = np.arange(start, start + n)
                 position_chunks.append(pos)
                 slot_chunks.append(np.asarray(ids, dtype=np.int64)[pos // bs] * bs + pos % bs)
-            if s.samples:
+            if s.is_sampled:
                 sample_requests.append(request)
                 sample_rows.append(i)
         qsl = np.zeros(num_reqs + 1, dtype=np.int32)

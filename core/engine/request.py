@@ -80,3 +80,28 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    # Token-level stop conditions are decided here and nowhere else: the scheduler asks
+    # ``check_stop`` after each appended token, and the sampler bans ``stop_token_ids()`` until
+    # ``min_tokens`` are out. (Stop *strings* need the decoded text: the front-end's detokenizer.)
+
+    def stop_token_ids(self) -> set[int]:
+        """The tokens that end this request: ``stop_token_ids``, and EOS unless ``ignore_eos``."""
+        params = self.sampling_params
+        ids = set(params.stop_token_ids)
+        if self.eos_token_id is not None and not params.ignore_eos:
+            ids.add(self.eos_token_id)
+        return ids
+
+    def check_stop(self, max_model_len: int) -> RequestStatus | None:
+        """After a token was appended: FINISHED_STOPPED (a stop token, once ``min_tokens`` are
+        out), FINISHED_LENGTH (``max_tokens`` or ``max_model_len`` reached) or None."""
+        params = self.sampling_params
+        num_output = len(self.output_token_ids)
+        token = self.output_token_ids[-1]
+        if num_output >= params.min_tokens:
+            if token in params.stop_token_ids or (not params.ignore_eos and token == self.eos_token_id):
+                return RequestStatus.FINISHED_STOPPED
+        if num_output >= self.max_tokens or len(self.all_token_ids) >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -280,12 +280,7 @@ class Sampler:
         row_idx: list[int] = []
         tok_idx: list[int] = []
         for i in rows:
-            r = requests[i]
-            p = r.sampling_params
-            banned = set(p.stop_token_ids)
-            if r.eos_token_id is not None and not p.ignore_eos:
-                banned.add(r.eos_token_id)
-            for t in banned:
+            for t in requests[i].stop_token_ids():  # the tokens that would end it (Request)
                 if 0 <= t < vocab:
                     row_idx.append(i)
                     tok_idx.append(t)

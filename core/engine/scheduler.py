@@ -28,10 +28,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from paged.core.errors import InvalidRequestError
-from paged.core.engine.kv_cache_manager import KVCacheManager, cdiv
+from paged.core.errors import ConfigError, InvalidRequestError
+from paged.core.engine.kv_cache_manager import KVCacheManager
+from paged.core.utils import cdiv
 from paged.core.policy import SchedulingPolicy
+from paged.core.engine.outputs import EngineCoreOutput
 from paged.core.engine.request import Request, RequestStatus
+from paged.core.engine.sampler import TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -42,7 +45,7 @@ class ScheduledRequest:
     new_block_ids: list[int]
     # Whether this step completes the request's known tokens, so a token is sampled. Fixed when
     # scheduled: update_from_output appends the sampled token, which would change the answer.
-    samples: bool = field(init=False)
+    is_sampled: bool = field(init=False)
 
     def __init__(self, request: Request, num_computed_tokens: int, num_new_tokens: int, new_block_ids: list[int]):
         # Written out (the dataclass keeps it) rather than __post_init__: one call less, made
@@ -51,7 +54,7 @@ class ScheduledRequest:
         self.num_computed_tokens = num_computed_tokens
         self.num_new_tokens = num_new_tokens
         self.new_block_ids = new_block_ids
-        self.samples = num_computed_tokens + num_new_tokens == request.num_tokens
+        self.is_sampled = num_computed_tokens + num_new_tokens == request.num_tokens
 
 
 @dataclass
@@ -111,16 +114,6 @@ class WaitingQueue:
         return (r for _, _, r in sorted(self._heap) if r in self._members)
 
 
-@dataclass
-class SchedulerStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_usage: float = 0.0
-    num_preemptions: int = 0  # total since start
-    step_preemptions: int = 0
-    step_scheduled_tokens: int = 0
-
-
 class Scheduler:
     def __init__(
         self,
@@ -141,13 +134,13 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.enable_chunked_prefill = enable_chunked_prefill
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
-            raise InvalidRequestError(
+            raise ConfigError(
                 f"scheduler.max_num_batched_tokens: {max_num_batched_tokens} is below max_model_len "
                 f"({max_model_len}); without chunked prefill it must be >= max_model_len"
             )
         if not enable_chunked_prefill and long_prefill_token_threshold:
             # A capped prompt could never be admitted whole: it would wait forever.
-            raise InvalidRequestError(
+            raise ConfigError(
                 f"scheduler.long_prefill_token_threshold: {long_prefill_token_threshold} caps prefill chunks; "
                 f"it needs enable_chunked_prefill (or 0)"
             )
@@ -156,8 +149,6 @@ class Scheduler:
         self.running: list[Request] = []  # in policy order (sorted by sort_key)
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
-        self.step_preemptions = 0
-        self.step_scheduled_tokens = 0
 
     # --- requests in and out -----------------------------------------------------------
     def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -207,7 +198,6 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.step_preemptions += 1
         self.waiting.push(request)  # same sort_key: back at its place in the order
         output.preempted_request_ids.append(request.request_id)
 
@@ -238,7 +228,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = []
-        self.step_preemptions = 0
         if self.policy.displaces_running:
             self._displace(output)
         num_displaced = len(output.preempted_request_ids)
@@ -306,17 +295,19 @@ class Scheduler:
             )
             request.num_computed_tokens = num_cached + num_new
             budget -= num_new
-        self.step_scheduled_tokens = self.max_num_batched_tokens - budget
         return output
 
-    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+    def update_from_output(
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, int], logprobs: dict[str, TokenLogprobs] | None = None
+    ) -> list[EngineCoreOutput]:
         """Append each sampled token, apply stop conditions, free finished requests.
-        Returns the requests that received a token (finished ones included)."""
+        Returns the step's outputs: one per request that received a token (finished ones
+        included), with its ``logprobs`` entry when there is one."""
         updated = []
         now = time.monotonic()
         running = RequestStatus.RUNNING
         for scheduled in output.scheduled:
-            if not scheduled.samples:  # still in prefill: no token, whatever the runner sent
+            if not scheduled.is_sampled:  # still in prefill: no token, whatever the runner sent
                 continue
             request = scheduled.request
             token = sampled_token_ids.get(request.request_id)
@@ -327,35 +318,13 @@ class Scheduler:
             request.append_output_token(token)
             if request.first_token_time is None:
                 request.first_token_time = now
-            status = self._check_stop(request, token)
+            status = request.check_stop(self.max_model_len)
             if status is not None:
                 self.running.remove(request)
                 request.status = status
                 self._free(request)
-            updated.append(request)
+            updated.append(EngineCoreOutput.of(request, logprobs.get(request.request_id) if logprobs else None))
         return updated
-
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        params = request.sampling_params
-        num_output = len(request.output_token_ids)
-        if num_output >= params.min_tokens:
-            if token in params.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if not params.ignore_eos and token == request.eos_token_id:
-                return RequestStatus.FINISHED_STOPPED
-        if num_output >= request.max_tokens or len(request.all_token_ids) >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
-    def stats(self) -> SchedulerStats:
-        return SchedulerStats(
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-            kv_usage=self.kv.usage,
-            num_preemptions=self.num_preemptions,
-            step_preemptions=self.step_preemptions,
-            step_scheduled_tokens=self.step_scheduled_tokens,
-        )
 
 
 def check_request_fits(

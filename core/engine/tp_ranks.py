@@ -1,4 +1,4 @@
-"""The executor: the tensor-parallel ranks of one engine core.
+"""The tensor-parallel ranks of one engine core.
 
 Rank 0 is the engine core's own process (scheduler, sampler, its share of the model). The other
 ranks run ``ModelRunner.run_worker_loop`` and are either
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import json
 import logging
 import os
 import socket
@@ -29,7 +28,8 @@ import time
 
 import torch
 
-from paged.core.config import EngineConfig, for_child_process, resolve_plugins
+from paged.core.config import EngineConfig, resolve_plugins
+from paged.core.engine.child_process import is_orphaned, read_config_from_stdin, spawn_child
 from paged.core.engine.distributed import (
     TensorParallel,
     destroy_tensor_parallel,
@@ -62,7 +62,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class TensorParallelExecutor:
+class TensorParallelRanks:
     """Rank 0's handle on the group: joins it (starting the local ranks first when torchrun did
     not), and stops it. Use ``start``; ``device`` is rank 0's device."""
 
@@ -74,7 +74,7 @@ class TensorParallelExecutor:
         atexit.register(self.shutdown)
 
     @classmethod
-    def start(cls, config: EngineConfig, device: torch.device) -> "TensorParallelExecutor | None":
+    def start(cls, config: EngineConfig, device: torch.device) -> "TensorParallelRanks | None":
         size = config.parallel.tensor_parallel_size
         launched = rendezvous_from_env()
         if launched is not None:
@@ -130,15 +130,9 @@ class TensorParallelExecutor:
 
 def _spawn_rank(config: EngineConfig, rank: int, size: int, port: int) -> subprocess.Popen:
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
-    cmd = [sys.executable, "-m", "paged.core.engine.tp_ranks", "--rank", str(rank), "--world-size", str(size),
-           "--master-addr", "127.0.0.1", "--master-port", str(port), "--parent-pid", str(os.getpid()),
-           "--log-level", str(level)]
-    payload, env = for_child_process(config)
-    # Its own session: a terminal's Ctrl-C reaches rank 0, which then stops the others.
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env, start_new_session=True)
-    proc.stdin.write(payload)
-    proc.stdin.close()
-    return proc
+    args = ["--rank", str(rank), "--world-size", str(size), "--master-addr", "127.0.0.1",
+            "--master-port", str(port), "--log-level", str(level)]
+    return spawn_child("paged.core.engine.tp_ranks", args, config)
 
 
 def _join_watching(procs: list[subprocess.Popen], join):
@@ -182,6 +176,7 @@ def run_worker(config: EngineConfig, rank: int, size: int, master_addr: str, mas
     """Join the group as ``rank``, build this rank's share of the model and KV cache, and run the
     steps rank 0 broadcasts until it says stop."""
     from paged.core.engine.model_runner import ModelRunner, resolve_device
+    from paged.core.loading.model_config import resolve_model
     from paged.core.registry import get_registry
 
     if config.parallel.tensor_parallel_size != size:
@@ -194,7 +189,8 @@ def run_worker(config: EngineConfig, rank: int, size: int, master_addr: str, mas
     init_tensor_parallel(rank, size, device, master_addr, master_port)
     try:
         registry = get_registry()
-        runner = ModelRunner(config, resolve_plugins(config, registry, device.type), registry, device)
+        model = resolve_model(config, registry, device)  # this process's own copy of rank 0's resolution
+        runner = ModelRunner(config, resolve_plugins(config, registry, device.type), model, device)
         logger.info("rank %d/%d ready on %s", rank, size, device)
         runner.run_worker_loop()
     finally:
@@ -212,7 +208,7 @@ def run_worker_from_env(config: EngineConfig) -> int:
 def _exit_when_orphaned(parent_pid: int) -> None:
     while True:
         time.sleep(1.0)
-        if os.getppid() != parent_pid:
+        if is_orphaned(parent_pid):
             os._exit(1)  # rank 0 is gone; nothing will ever be broadcast again
 
 
@@ -227,7 +223,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format=f"%(levelname)s %(name)s (rank {args.rank}): %(message)s",
                         stream=sys.stderr)
-    config = EngineConfig(**json.loads(sys.stdin.read()))
+    config = read_config_from_stdin()
     threading.Thread(target=_exit_when_orphaned, args=(args.parent_pid,), daemon=True).start()
     return run_worker(config, args.rank, args.world_size, args.master_addr, args.master_port, args.rank)
 

@@ -32,16 +32,15 @@ from paged.core.config import EngineConfig
 from paged.core.frontend.dp_router import DataParallelRouter
 from paged.core.frontend.dp_stats import combine_core_stats
 from paged.core.engine.engine_core import ModelInfo
-from paged.core.ipc.engine_core_proc import (
+from paged.core.ipc.client import EngineCoreClient
+from paged.core.ipc.messages import (
     AbortRequests,
     CoreFailed,
-    EngineCoreClient,
     EngineDeadError,
     Outputs,
     RequestFailed,
     UtilityCall,
     UtilityResult,
-    output_from_wire,
     request_to_wire,
 )
 from paged.core.errors import InvalidRequestError, PagedError
@@ -150,7 +149,7 @@ class AsyncLLM:
 
         client = EngineCoreClient(config, start_timeout=start_timeout, cancel=cancel)
         try:
-            tokenizer = load_tokenizer(config.model.tokenizer or client.model_info.model_dir)
+            tokenizer = load_tokenizer(client.model_info.tokenizer_dir or client.model_info.model_dir)
         except BaseException:
             client.close()
             raise
@@ -393,7 +392,7 @@ class AsyncLLM:
 
     def _process_outputs(self, msg: Outputs) -> None:
         observer = self.observer
-        core_outputs = [output_from_wire(o) for o in msg.outputs]
+        core_outputs = msg.outputs
         now = msg.timestamp
         num_tokens = 0
         for out in core_outputs:

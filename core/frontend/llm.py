@@ -99,31 +99,25 @@ class LLM:
         except Exception:
             engine.abort_request(ids)
             raise
-        final: dict[str, RequestOutput] = {}
         bar = _progress(len(ids)) if use_tqdm else None
         in_tokens = out_tokens = 0
         start = time.perf_counter()
+
+        def progress(output: RequestOutput) -> None:
+            nonlocal in_tokens, out_tokens
+            in_tokens += len(output.prompt_token_ids)
+            out_tokens += sum(len(c.token_ids) for c in output.outputs)
+            elapsed = time.perf_counter() - start
+            bar.set_postfix_str(
+                f"input {in_tokens / elapsed:.1f} tok/s, output {out_tokens / elapsed:.1f} tok/s", refresh=False
+            )
+            bar.update(1)
+
         try:
-            while engine.has_unfinished_requests():
-                for output in engine.step():
-                    if output.finished:
-                        final[output.request_id] = output
-                        if bar is not None:
-                            in_tokens += len(output.prompt_token_ids)
-                            out_tokens += sum(len(c.token_ids) for c in output.outputs)
-                            elapsed = time.perf_counter() - start
-                            bar.set_postfix_str(
-                                f"input {in_tokens / elapsed:.1f} tok/s, output {out_tokens / elapsed:.1f} tok/s",
-                                refresh=False,
-                            )
-                            bar.update(1)
-        except BaseException:
-            engine.abort_request(ids)
-            raise
+            return engine.run_until_finished(ids, progress if bar is not None else None)
         finally:
             if bar is not None:
                 bar.close()
-        return [final[i] for i in ids]
 
 
 def _progress(total: int):

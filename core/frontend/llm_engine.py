@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from paged.core.config import EngineConfig
 from paged.core.engine.engine_core import EngineCore
@@ -20,16 +20,6 @@ from paged.core.frontend.outputs import RequestOutput
 from paged.core.frontend.processor import InputProcessor, OutputProcessor
 from paged.core.engine.request import RequestStatus
 from paged.core.sampling_params import SamplingParams
-
-
-@dataclass
-class EngineStats:
-    """Front-end counters; the core's are in ``engine.core.snapshot_stats()``."""
-
-    num_requests: int = 0
-    num_finished: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
 
 
 def check_offline_parallelism(config: EngineConfig) -> None:
@@ -53,12 +43,11 @@ class LLMEngine:
         self.config = config
         self.core = EngineCore(config, registry)
         self.model_info = self.core.model_info
-        self.tokenizer = load_tokenizer(config.model.tokenizer or self.model_info.model_dir)
+        self.tokenizer = load_tokenizer(self.model_info.tokenizer_dir or self.model_info.model_dir)
         # the model's generation_config.json sampling, for requests that leave those fields unset
         self.default_sampling = load_generation_defaults(self.model_info.model_dir)
         self.input_processor = InputProcessor(self.tokenizer, self.model_info)
         self.output_processor = OutputProcessor()
-        self.stats = EngineStats()
         self._ids = itertools.count()
 
     @property
@@ -98,8 +87,6 @@ class LLMEngine:
             self.core.abort_requests(added)
             raise
         self.output_processor.add(parent)
-        self.stats.num_requests += 1
-        self.stats.prompt_tokens += len(parent.prompt_token_ids) * len(requests)
         return request_id
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
@@ -122,6 +109,23 @@ class LLMEngine:
         outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:
             self.core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        self.stats.generation_tokens += sum(len(o.new_token_ids) for o in core_outputs)
-        self.stats.num_finished += sum(1 for o in outputs if o.finished)
         return outputs
+
+    def run_until_finished(
+        self, request_ids: Sequence[str], on_finished: Callable[[RequestOutput], None] | None = None
+    ) -> list[RequestOutput]:
+        """Step until every request has finished; their final outputs in the order of
+        ``request_ids`` (``on_finished`` sees each as it finishes). On any error or interrupt
+        the requests are aborted before it propagates, so the engine stays usable."""
+        final: dict[str, RequestOutput] = {}
+        try:
+            while self.has_unfinished_requests():
+                for output in self.step():
+                    if output.finished:
+                        final[output.request_id] = output
+                        if on_finished is not None:
+                            on_finished(output)
+        except BaseException:
+            self.abort_request(list(request_ids))
+            raise
+        return [final[i] for i in request_ids]

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from paged.core.frontend.detokenizer import IncrementalDetokenizer
-from paged.core.engine.engine_core import EngineCoreOutput, ModelInfo
+from paged.core.engine.engine_core import ModelInfo
+from paged.core.engine.outputs import EngineCoreOutput
 from paged.core.errors import InvalidRequestError
 from paged.core.frontend.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from paged.core.engine.request import Request

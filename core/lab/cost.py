@@ -51,7 +51,7 @@ def batch_shape(scheduler_output) -> BatchShape:
         num_seqs += 1
         total = s.num_computed_tokens + s.num_new_tokens
         context += total
-        if s.num_new_tokens == 1 and s.num_computed_tokens > 0 and s.samples:
+        if s.num_new_tokens == 1 and s.num_computed_tokens > 0 and s.is_sampled:
             decode += 1
         else:
             prefill += s.num_new_tokens

@@ -289,7 +289,7 @@ class SimExecutor:
         sched = self.scheduler
         out = sched.schedule()
         snapshot = (len(sched.running), len(sched.waiting), self.kv.usage)
-        sched.update_from_output(out, {s.request.request_id: 0 for s in out.scheduled if s.samples})
+        sched.update_from_output(out, {s.request.request_id: 0 for s in out.scheduled if s.is_sampled})
         return out, snapshot
 
     def check(self, request: LabRequest) -> None:
@@ -301,7 +301,7 @@ class SimExecutor:
 
 
 class EngineExecutor:
-    """The real engine (``LLMEngine``): the model runs; the scheduler's output is captured."""
+    """The real engine (``LLMEngine``): the model runs; each step's scheduler output is observed."""
 
     def __init__(self, engine, mode: str) -> None:
         self.engine = engine
@@ -309,14 +309,11 @@ class EngineExecutor:
         self.scheduler = engine.core.scheduler
         self.kv = engine.kv_cache_manager
         self._last = None
-        original = self.scheduler.schedule
 
-        def schedule():
-            out = original()
+        def observe(out) -> None:
             self._last = (out, (len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage))
-            return out
 
-        self.scheduler.schedule = schedule  # this engine's scheduler only
+        engine.core.schedule_observers.append(observe)
         self._requests: dict[str, Request] = {}
 
     def warm_up(self) -> None:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from paged.core.errors import ModelLoadError
+from paged.core.errors import ConfigError, ModelLoadError
 
 logger = logging.getLogger("paged")
 
@@ -179,7 +179,7 @@ def get_dtype(setting: str, hf_config: Any, device: torch.device | str) -> torch
     if setting in _DTYPES:
         return _DTYPES[setting]
     if setting != "auto":
-        raise ModelLoadError(f"model.dtype: unknown value {setting!r}; accepted: auto, {', '.join(_DTYPES)}")
+        raise ConfigError(f"model.dtype: unknown value {setting!r}; accepted: auto, {', '.join(_DTYPES)}")
     device = torch.device(device)
     if device.type == "cpu":
         return torch.float32

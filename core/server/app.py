@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import asynccontextmanager, suppress
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -58,7 +58,10 @@ class _ModelInfoView(msgspec.Struct):
         return cls(m.model_dir, m.max_model_len, m.num_blocks, m.block_size)
 
 
-def build_app(config: EngineConfig, start_timeout: float = 600.0, record_trace: str | None = None) -> FastAPI:
+def build_app(config: EngineConfig, start_timeout: float = 600.0,
+              make_trace_recorder: Callable[[], Any] | None = None) -> FastAPI:
+    """``make_trace_recorder``: called once the engine is up, returns an observer of the served
+    requests (``add``/``discard``/``finish``; ``paged serve --record-trace`` passes the lab's)."""
     state = ServerState(config)
 
     async def start_engine() -> None:
@@ -72,11 +75,8 @@ def build_app(config: EngineConfig, start_timeout: float = 600.0, record_trace: 
                 state.uvicorn_server.should_exit = True
             return
         state.served_model_name = default_served_model_name(config)
-        if record_trace:
-            from paged.core.lab.trace import TraceRecorder
-
-            llm.trace_recorder = TraceRecorder(record_trace, "paged serve")
-            logger.info("recording the served requests as a lab trace in %s", record_trace)
+        if make_trace_recorder is not None:
+            llm.trace_recorder = make_trace_recorder()
         state.tokens = Tokens(llm.tokenizer)
         state.inputs = PromptInputs(llm)
         state.llm = llm

@@ -59,6 +59,7 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
 async def chat(state: ServerState, body: Any) -> Response:
     try:
         req: ChatCompletionRequest = accept(state, ChatCompletionRequest, body)
+        llm = state.require_llm()
         if req.tools:
             raise invalid("tools: not supported", "tools")
         if req.tool_choice not in (None, "none"):

@@ -12,7 +12,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from paged.core.errors import InvalidRequestError, PagedError
-from paged.core.ipc.engine_core_proc import EngineDeadError
+from paged.core.ipc.messages import EngineDeadError
 
 
 class APIError(Exception):

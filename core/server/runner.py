@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 from contextlib import contextmanager
+from typing import Any, Callable
 
 from paged.core.config import EngineConfig
 from paged.core.errors import PagedError
@@ -50,7 +51,7 @@ def _uvicorn_server_class():
 
 
 def run_server(config: EngineConfig, *, access_log: bool = False, log_level: str = "info",
-               start_timeout: float = 600.0, record_trace: str | None = None) -> int:
+               start_timeout: float = 600.0, make_trace_recorder: Callable[[], Any] | None = None) -> int:
     """Bind ``server.host:server.port`` (before the model loads, so a taken port fails at once),
     start the engine in the background and serve until SIGINT/SIGTERM. Returns an exit code."""
     import socket
@@ -69,7 +70,7 @@ def run_server(config: EngineConfig, *, access_log: bool = False, log_level: str
     sock.listen(2048)
     sock.set_inheritable(True)
     port = sock.getsockname()[1]
-    app = build_app(config, start_timeout=start_timeout, record_trace=record_trace)
+    app = build_app(config, start_timeout=start_timeout, make_trace_recorder=make_trace_recorder)
     # uvicorn cancels what is still running after its own timeout: give the ended requests time
     # to send their last event first (a cancelled handler would log a CancelledError traceback).
     uv_config = uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="on",

@@ -1,0 +1,257 @@
+// The fused CPU paged-decode attention kernel; built and loaded by cpu_paged_decode.py
+// (see its docstring for the algorithm and the build).
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// Positions per online-softmax step: the accumulator is rescaled once per tile, and a KV head's
+// tile rows (TILE x D each for K and V) stay in L1/L2 while the G query heads of its group use them.
+constexpr int64_t TILE = 64;
+constexpr int W = 16;  // fp32 lanes of `vec`
+
+// A GCC/Clang vector extension: 16 fp32 lanes, lowered to whatever the CPU has (one AVX-512
+// register, two AVX2 ones, four NEON ones).
+typedef float vec __attribute__((vector_size(64)));
+
+template <typename T>
+inline vec load(const T* p) {  // 16 values widened to fp32 (the generic case: fp16)
+  float f[W];
+  for (int i = 0; i < W; ++i) f[i] = static_cast<float>(p[i]);
+  vec v;
+  std::memcpy(&v, f, sizeof v);
+  return v;
+}
+template <>
+inline vec load<float>(const float* p) {
+  vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+template <>
+inline vec load<c10::BFloat16>(const c10::BFloat16* p) {  // bf16 bits are the top half of an fp32
+  typedef uint16_t u16x16 __attribute__((vector_size(32)));
+  typedef uint32_t u32x16 __attribute__((vector_size(64)));
+  u16x16 h;
+  std::memcpy(&h, p, sizeof h);
+  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+  vec v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+
+inline float hsum(vec a) {  // halving tree, not a serial chain of 16 adds
+#if defined(__clang__) || __GNUC__ >= 12
+  typedef float v8 __attribute__((vector_size(32)));
+  typedef float v4 __attribute__((vector_size(16)));
+  const v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
+  return (c[0] + c[2]) + (c[1] + c[3]);
+#else
+  float sum = 0.f;
+  for (int i = 0; i < W; ++i) sum += a[i];
+  return sum;
+#endif
+}
+
+// exp(x) for x <= 0 (softmax weights), written so that the loop over a tile vectorizes (libm's
+// expf is a call per element): 2^k * p(r) with a Cephes polynomial, relative error ~2e-7.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);  // exp(-87) ~ 1.6e-38: a weight that small is zero next to the max's 1
+  const float k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln 2)
+  const float r = (x - k * 0.693145751953125f) - k * 1.428606765330187e-06f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;  // 2^k
+  float two_k;
+  std::memcpy(&two_k, &bits, sizeof two_k);
+  return p * two_k;
+}
+
+// acc[0 : NV*16] = alpha * acc + sum_t p[t] * V_row_t, NV vectors kept in registers while the
+// tile's rows stream by: NV independent FMA chains (one chain would wait on its own latency).
+template <int NV>
+inline void accumulate_rows(float* acc, float alpha, const float* p, const float* v, const int64_t* rows, int64_t n) {
+  vec a[NV];
+  for (int i = 0; i < NV; ++i) a[i] = load(acc + W * i) * alpha;
+  for (int64_t t = 0; t < n; ++t)
+    for (int i = 0; i < NV; ++i) a[i] += p[t] * load(v + rows[t] + W * i);
+  for (int i = 0; i < NV; ++i) std::memcpy(acc + W * i, &a[i], sizeof(vec));
+}
+
+// HEAD_DIM > 0: the head dim as a compile-time constant (64, 128), so that the loops over it are
+// unrolled and their accumulators stay in registers; 0: any head dim, read at run time.
+template <typename T, int64_t HEAD_DIM>
+void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
+                       const at::Tensor& out) {
+  constexpr bool is_fp32 = std::is_same<T, float>::value;
+  const int64_t B = q.size(0), H = q.size(1), D = HEAD_DIM > 0 ? HEAD_DIM : q.size(2);
+  const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2), G = H / Hkv;
+  const int64_t row = Hkv * D;  // elements per cached position
+  const int64_t DV = D / W * W;  // head dims covered by whole vectors; the rest (D % 16) is scalar
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int32_t* bt = block_table.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t q_s0 = q.stride(0), q_s1 = q.stride(1), o_s0 = out.stride(0), o_s1 = out.stride(1);
+  const int64_t bt_s0 = block_table.stride(0);
+  const float fscale = static_cast<float>(scale);
+  // Work items: whole requests when there are enough of them, so that a tile's K/V rows of every
+  // KV head are read together (a block is then one contiguous run, which the hardware
+  // prefetchers follow), else (request, KV head) pairs so that a small batch still keeps every
+  // thread busy.
+  const int64_t heads_per_item = B >= 2 * at::get_num_threads() ? Hkv : 1;
+  const int64_t items_per_req = Hkv / heads_per_item, QH = heads_per_item * G;  // query heads per item
+  const int64_t items = B * items_per_req;
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)));
+
+  // Dynamic scheduling, not at::parallel_for's static halves: contexts are ragged (and a core
+  // may be busy elsewhere), so a fixed split leaves a thread idle at the end.
+#pragma omp parallel num_threads(threads)
+  {
+    // per-thread scratch; k/v_stage: a KV head's tile rows widened to fp32 (bf16/fp16 caches)
+    std::vector<float> qf(QH * D), acc(QH * D), s(TILE), m(QH), l(QH);
+    std::vector<float> k_stage(is_fp32 ? 0 : TILE * D), v_stage(is_fp32 ? 0 : TILE * D);
+    std::vector<int64_t> rows(TILE), stage_rows(TILE);
+    for (int64_t t = 0; t < TILE; ++t) stage_rows[t] = t * D;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      // query heads h0 * G + i, i < QH; query head i uses KV head h0 + i / G
+      const int64_t b = item / items_per_req, h0 = item % items_per_req * heads_per_item, len = lens[b];
+      for (int64_t i = 0; i < QH; ++i) {  // the queries in fp32, scale folded in
+        const T* src = qp + b * q_s0 + (h0 * G + i) * q_s1;
+        for (int64_t d = 0; d < D; ++d) qf[i * D + d] = static_cast<float>(src[d]) * fscale;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.end(), 0.f);
+      for (int64_t start = 0; start < len; start += TILE) {
+        const int64_t n = std::min(TILE, len - start);
+        for (int64_t t = 0; t < n; ++t) {  // cache row of each position, through the block table
+          const int64_t j = start + t;
+          rows[t] = ((int64_t)bt[b * bt_s0 + j / block_size] * block_size + j % block_size) * row;
+        }
+        const float *kf = nullptr, *vf = nullptr;  // the current KV head's rows, fp32: kf + off[t]
+        const int64_t* off = nullptr;
+        for (int64_t i = 0; i < QH; ++i) {
+          if (i % G == 0) {  // the next KV head
+            const int64_t kv = (h0 + i / G) * D;
+            if constexpr (is_fp32) {  // read in place
+              kf = reinterpret_cast<const float*>(kp) + kv;
+              vf = reinterpret_cast<const float*>(vp) + kv;
+              off = rows.data();
+            } else {  // widened once here rather than once per query head of the group
+              for (int64_t t = 0; t < n; ++t) {
+                const T* k = kp + rows[t] + kv;
+                const T* v = vp + rows[t] + kv;
+                for (int64_t d = 0; d < DV; d += W) {
+                  const vec kd = load(k + d), vd = load(v + d);
+                  std::memcpy(&k_stage[t * D + d], &kd, sizeof(vec));
+                  std::memcpy(&v_stage[t * D + d], &vd, sizeof(vec));
+                }
+                for (int64_t d = DV; d < D; ++d) {
+                  k_stage[t * D + d] = static_cast<float>(k[d]);
+                  v_stage[t * D + d] = static_cast<float>(v[d]);
+                }
+              }
+              kf = k_stage.data();
+              vf = v_stage.data();
+              off = stage_rows.data();
+            }
+          }
+          // scores of the tile and their max (the group's later heads find the rows in L1)
+          const float* qi = qf.data() + i * D;
+          float tile_max = -std::numeric_limits<float>::infinity();
+          for (int64_t t = 0; t < n; ++t) {
+            const float* k = kf + off[t];
+            vec a = {};
+            for (int64_t d = 0; d < DV; d += W) a += load(qi + d) * load(k + d);
+            float dot = hsum(a);
+            for (int64_t d = DV; d < D; ++d) dot += qi[d] * k[d];
+            s[t] = dot;
+            tile_max = std::max(tile_max, dot);
+          }
+          // online softmax: new running max, weights, rescale of what was accumulated so far
+          const float m_new = std::max(m[i], tile_max);
+          const float alpha = std::exp(m[i] - m_new);  // 0 on the first tile (m = -inf)
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t t = 0; t < n; ++t) {
+            s[t] = exp_nonpositive(s[t] - m_new);
+            sum += s[t];
+          }
+          l[i] = l[i] * alpha + sum;
+          m[i] = m_new;
+          // weighted V rows into the fp32 accumulator, 4 vectors (64 dims) at a time
+          float* ai = acc.data() + i * D;
+          int64_t d = 0;
+          for (; d + 4 * W <= DV; d += 4 * W) accumulate_rows<4>(ai + d, alpha, s.data(), vf + d, off, n);
+          for (; d < DV; d += W) accumulate_rows<1>(ai + d, alpha, s.data(), vf + d, off, n);
+          for (; d < D; ++d) {
+            float a = ai[d] * alpha;
+            for (int64_t t = 0; t < n; ++t) a += s[t] * vf[off[t] + d];
+            ai[d] = a;
+          }
+        }
+      }
+      for (int64_t i = 0; i < QH; ++i) {
+        const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;  // len 0 (never for a decode): zeros
+        T* dst = op + b * o_s0 + (h0 * G + i) * o_s1;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[i * D + d] * inv);
+      }
+    }
+  }
+}
+
+void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
+                  const at::Tensor& out) {
+  for (const at::Tensor* t : {&q, &k_cache, &v_cache, &block_table, &seq_lens, &out})
+    TORCH_CHECK(t->device().is_cpu(), "paged_decode: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "paged_decode: q [B, H, D], caches [blocks, block_size, Hkv, D]");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_decode: K and V caches must be contiguous and of one shape");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  out.scalar_type() == k_cache.scalar_type(),
+              "paged_decode: q, out and the caches must share a dtype");
+  TORCH_CHECK(q.sizes() == out.sizes() && q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
+              "paged_decode: shapes do not match (q and out [B, H, D], H a multiple of Hkv)");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "paged_decode: q and out need a contiguous last dim");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 && block_table.stride(1) == 1 &&
+                  block_table.size(0) >= q.size(0),
+              "paged_decode: block_table [>= B, max_blocks] int32");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() && seq_lens.numel() >= q.size(0),
+              "paged_decode: seq_lens [>= B] int32");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_decode", [&] {
+    switch (q.size(2)) {
+      case 64: return paged_decode_impl<scalar_t, 64>(q, k_cache, v_cache, block_table, seq_lens, scale, out);
+      case 128: return paged_decode_impl<scalar_t, 128>(q, k_cache, v_cache, block_table, seq_lens, scale, out);
+      default: return paged_decode_impl<scalar_t, 0>(q, k_cache, v_cache, block_table, seq_lens, scale, out);
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(paged_cpu, m) {
+  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
+        "float scale, Tensor(a!) out) -> ()", &paged_decode);
+}

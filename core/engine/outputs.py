@@ -1,0 +1,43 @@
+"""What one engine step reports per request: the one message type used in-process
+(``EngineCore.step``) and on the wire between an engine-core process and its front-end."""
+
+from __future__ import annotations
+
+import msgspec
+
+from paged.core.engine.request import Request, RequestStatus
+from paged.core.engine.sampler import TokenLogprobs
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A request's new token(s) this step and, when it ended, why (msgpack-encodable as is)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_token_id: int | None = None
+    logprobs: list[TokenLogprobs] = []  # one per new token, when asked for
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    @classmethod
+    def of(cls, request: Request, logprobs: TokenLogprobs | None = None) -> "EngineCoreOutput":
+        """The request's last sampled token (appended just now) and its state."""
+        token = request.output_token_ids[-1]
+        return cls(
+            request.request_id,
+            [token],
+            finish_reason=request.status.finish_reason,
+            stop_token_id=token if request.status == RequestStatus.FINISHED_STOPPED else None,
+            logprobs=[logprobs] if logprobs is not None else [],
+            arrival_time=request.arrival_time,
+            first_scheduled_time=request.first_scheduled_time,
+            first_token_time=request.first_token_time,
+            finished_time=request.finished_time,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_preemptions=request.num_preemptions,
+        )

@@ -1,0 +1,116 @@
+"""The messages between a front-end and its engine-core process(es) (ZeroMQ + msgspec msgpack;
+nothing is ever pickled). The protocol, the sockets and the process lifecycle are described in
+``paged.core.ipc.engine_core_proc``.
+
+Front-end -> core (``CoreRequest``, a tagged union): ``AddRequest``, ``AbortRequests``,
+``UtilityCall`` (``stats``, ``reset_prefix_cache``, ``ping``).
+Core -> front-end (``CoreMessage``): ``Ready`` (once, over the DEALER, after the model and the KV
+cache are up), ``Outputs`` (one per engine step that produced something; the engine's own
+``EngineCoreOutput``), ``UtilityResult``, ``RequestFailed`` (the core rejected an added request),
+``CoreFailed`` (a fatal error; the core exits right after).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+from paged.core.engine.engine_core import ModelInfo
+from paged.core.engine.outputs import EngineCoreOutput
+from paged.core.engine.request import Request
+from paged.core.errors import PagedError
+from paged.core.sampling_params import SamplingParams
+
+
+class EngineDeadError(PagedError):
+    """The engine core process is not running (it died, or it has not started)."""
+
+
+# --- messages ------------------------------------------------------------------------------------
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    cache_salt: str | None = None
+    eos_token_id: int | None = None
+    max_tokens: int = 16
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    request_ids: list[str]
+    status: str = "abort"  # "abort" (client went away) | "stop" (a stop string ended it)
+
+
+class UtilityCall(msgspec.Struct, tag="utility", array_like=True):
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+CoreRequest = Union[AddRequest, AbortRequests, UtilityCall]
+
+
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    model_info: ModelInfo
+    pid: int
+    dp_rank: int = 0
+
+
+class Outputs(msgspec.Struct, tag="outputs", array_like=True):
+    outputs: list[EngineCoreOutput]
+    timestamp: float  # time.monotonic() in the core when the step ended (same clock in every process)
+
+
+class UtilityResult(msgspec.Struct, tag="utility_result", array_like=True):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class RequestFailed(msgspec.Struct, tag="failed", array_like=True):
+    request_id: str
+    message: str
+    invalid: bool = True  # an InvalidRequestError (the client's fault) rather than an internal error
+
+
+class CoreFailed(msgspec.Struct, tag="dead", array_like=True):
+    message: str
+    dp_rank: int = 0
+
+
+CoreMessage = Union[Ready, Outputs, UtilityResult, RequestFailed, CoreFailed]
+
+def request_to_wire(request) -> AddRequest:
+    """A ``paged.core.engine.request.Request`` (as the InputProcessor builds it) as an AddRequest."""
+    return AddRequest(
+        request.request_id, list(request.prompt_token_ids), request.sampling_params, request.arrival_time,
+        request.priority, request.cache_salt, request.eos_token_id, request.max_tokens,
+    )
+
+
+def request_from_wire(msg: AddRequest):
+    return Request(
+        msg.request_id, msg.prompt_token_ids, msg.sampling_params, arrival_time=msg.arrival_time,
+        priority=msg.priority, cache_salt=msg.cache_salt, eos_token_id=msg.eos_token_id, max_tokens=msg.max_tokens,
+    )
+
+
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, tuple):
+        return list(obj)
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+def make_encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+
+
+def request_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(CoreRequest)
+
+
+def message_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(CoreMessage)

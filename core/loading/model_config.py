@@ -1,0 +1,101 @@
+"""The model's settings, resolved once before any weight loads.
+
+``resolve_model(config, registry, device)`` reads the directory's config.json (and
+generation_config.json), picks the architecture's ``ModelSpec``, asks the implementation to
+check the config and for its attention shape, and settles dtype, ``max_model_len``, EOS ids and
+the tokenizer directory. Everything downstream (the model runner, the engine core's
+``ModelInfo`` for the front-ends) receives this one object, so a config mistake is reported
+here, as ``ConfigError``/``ModelLoadError``, before seconds of weight loading.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from paged.core.config import EngineConfig
+from paged.core.errors import ConfigError, ModelLoadError
+from paged.core.hookspecs import ModelSpec
+from paged.core.loading.loader import get_dtype, load_hf_config, model_architecture, resolve_model_dir
+from paged.core.model import AttentionShape, model_attention_shape
+
+DEFAULT_MAX_MODEL_LEN = 4096  # when neither the setting nor the model's config gives one
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """Everything about the model the engine decides before building it."""
+
+    model_dir: Path
+    tokenizer_dir: Path
+    hf_config: Any
+    architecture: str
+    spec: ModelSpec
+    dtype: torch.dtype
+    max_model_len: int
+    eos_token_ids: list[int]
+    attention_shape: AttentionShape
+    vocab_size: int
+
+
+def eos_token_ids(model_dir: str | Path, hf_config: Any = None) -> list[int]:
+    """EOS ids: generation_config.json first (it may list several), else config.json's."""
+    value = None
+    path = Path(model_dir) / "generation_config.json"
+    if path.is_file():
+        try:
+            value = json.loads(path.read_text()).get("eos_token_id")
+        except (ValueError, AttributeError) as e:
+            raise ModelLoadError(f"model: cannot read {str(path)!r}: {type(e).__name__}: {e}") from e
+    if value is None and hf_config is not None:
+        value = getattr(hf_config, "eos_token_id", None)
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [int(v) for v in value]
+    return []
+
+
+def _max_model_len(setting: int | None, hf_config: Any) -> int:
+    model_limit = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
+    if setting is None:
+        return model_limit or DEFAULT_MAX_MODEL_LEN
+    if model_limit and setting > model_limit:
+        raise ConfigError(
+            f"model.max_model_len: {setting} exceeds the model's max_position_embeddings "
+            f"({model_limit}); use at most {model_limit}"
+        )
+    return setting
+
+
+def resolve_model(config: EngineConfig, registry: Any, device: torch.device | str) -> ResolvedModel:
+    """Resolve ``config.model`` against the local files and the registered architectures."""
+    model_dir = resolve_model_dir(config.model.model, config.model.revision)
+    hf_config = load_hf_config(model_dir)
+    architecture = model_architecture(hf_config)
+    spec = registry.model(architecture)
+    check = getattr(spec.factory, "check_config", None)
+    if check is not None:
+        check(hf_config)
+    shape = model_attention_shape(spec.factory, architecture, hf_config)
+    dtype = get_dtype(config.model.dtype, hf_config, device)
+    tokenizer_dir = Path(config.model.tokenizer).expanduser() if config.model.tokenizer else model_dir
+    vocab_size = getattr(hf_config, "vocab_size", None)
+    if not vocab_size:
+        raise ModelLoadError(f"model: config.json of {str(model_dir)!r} has no vocab_size")
+    return ResolvedModel(
+        model_dir=model_dir,
+        tokenizer_dir=tokenizer_dir,
+        hf_config=hf_config,
+        architecture=architecture,
+        spec=spec,
+        dtype=dtype,
+        max_model_len=_max_model_len(config.model.max_model_len, hf_config),
+        eos_token_ids=eos_token_ids(model_dir, hf_config),
+        attention_shape=shape,
+        vocab_size=int(vocab_size),
+    )
