@@ -30,6 +30,7 @@ from paged.core.hookspecs import (
     ModelSpec,
     PagedHookSpecs,
     PolicySpec,
+    StructuredOutputBackendSpec,
 )
 
 logger = logging.getLogger("paged")
@@ -39,6 +40,7 @@ _KINDS = {
     "register_policies": ("policies", "name"),
     "register_attention_backends": ("attention_backends", "name"),
     "register_models": ("models", "architecture"),
+    "register_structured_output_backends": ("structured_output_backends", "name"),
 }
 
 
@@ -71,6 +73,7 @@ class Registry:
     policies: dict[str, PolicySpec] = field(default_factory=dict)
     attention_backends: dict[str, AttentionBackendSpec] = field(default_factory=dict)
     models: dict[str, ModelSpec] = field(default_factory=dict)
+    structured_output_backends: dict[str, StructuredOutputBackendSpec] = field(default_factory=dict)
     owner: dict[tuple[str, str], str] = field(default_factory=dict)  # (kind, name) -> plugin
     plugins: list[PluginInfo] = field(default_factory=list)
 
@@ -98,6 +101,9 @@ class Registry:
 
     def attention_backend(self, name: str) -> AttentionBackendSpec:
         return self._lookup("attention_backends", "attention.backend", name)
+
+    def structured_output_backend(self, name: str) -> StructuredOutputBackendSpec:
+        return self._lookup("structured_output_backends", "structured_output.backend", name)
 
     def model(self, architecture: str) -> ModelSpec:
         try:

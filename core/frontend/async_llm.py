@@ -46,7 +46,7 @@ from paged.core.ipc.engine_core_proc import (
 )
 from paged.core.errors import InvalidRequestError, PagedError
 from paged.core.frontend.outputs import RequestOutput
-from paged.core.frontend.processor import InputProcessor, OutputProcessor
+from paged.core.frontend.processor import InputProcessor, OutputProcessor, structured_output_validator
 from paged.core.sampling_params import SamplingParams
 
 logger = logging.getLogger("paged")
@@ -111,7 +111,7 @@ class AsyncLLM:
         self.client = client
         self.model_info: ModelInfo = client.model_info
         self.tokenizer = tokenizer
-        self.input_processor = InputProcessor(tokenizer, self.model_info)
+        self.input_processor = InputProcessor(tokenizer, self.model_info, structured_output_validator(config))
         self.output_processor = OutputProcessor()
         self.observer = observer or StatsObserver()
         self.streams: dict[str, RequestStream] = {}

@@ -17,7 +17,7 @@ from paged.core.config import EngineConfig
 from paged.core.engine.engine_core import EngineCore
 from paged.core.errors import ConfigError, InvalidRequestError
 from paged.core.frontend.outputs import RequestOutput
-from paged.core.frontend.processor import InputProcessor, OutputProcessor
+from paged.core.frontend.processor import InputProcessor, OutputProcessor, structured_output_validator
 from paged.core.engine.request import RequestStatus
 from paged.core.sampling_params import SamplingParams
 
@@ -53,7 +53,7 @@ class LLMEngine:
         self.core = EngineCore(config, registry)
         self.model_info = self.core.model_info
         self.tokenizer = load_tokenizer(config.model.tokenizer or self.model_info.model_dir)
-        self.input_processor = InputProcessor(self.tokenizer, self.model_info)
+        self.input_processor = InputProcessor(self.tokenizer, self.model_info, structured_output_validator(config, registry))
         self.output_processor = OutputProcessor()
         self.stats = EngineStats()
         self._ids = itertools.count()

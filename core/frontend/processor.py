@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from paged.core.frontend.detokenizer import IncrementalDetokenizer
 from paged.core.engine.engine_core import EngineCoreOutput, ModelInfo
@@ -16,6 +16,7 @@ from paged.core.errors import InvalidRequestError
 from paged.core.frontend.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from paged.core.engine.request import Request
 from paged.core.sampling_params import SamplingParams
+from paged.core.structured_output import StructuredOutputParams
 from paged.core.engine.scheduler import check_request_fits
 
 
@@ -43,10 +44,28 @@ class ParentRequest:
         return [c.request_id for c in self.children]
 
 
+def structured_output_validator(config, registry=None) -> Callable[[StructuredOutputParams], None]:
+    """The configured backend's cheap check of a constraint (no tokenizer), as a function that
+    raises InvalidRequestError naming the field and the problem."""
+    from paged.core.config import resolve_structured_output
+
+    spec, options = resolve_structured_output(config, registry)
+
+    def validate(params: StructuredOutputParams) -> None:
+        try:
+            spec.validate(params, options)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+
+    return validate
+
+
 class InputProcessor:
-    def __init__(self, tokenizer, model_info: ModelInfo) -> None:
+    def __init__(self, tokenizer, model_info: ModelInfo,
+                 validate_structured_output: Callable[[StructuredOutputParams], None] | None = None) -> None:
         self.tokenizer = tokenizer
         self.info = model_info
+        self.validate_structured_output = validate_structured_output
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
@@ -77,6 +96,8 @@ class InputProcessor:
                 raise InvalidRequestError(
                     f"prompt_token_ids: {bad[:5]} out of range; token ids must be in [0, {self.info.vocab_size})"
                 )
+        if params.structured_output is not None and self.validate_structured_output is not None:
+            self.validate_structured_output(params.structured_output)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority: invalid value {priority!r}; must be an integer")
         max_tokens = params.max_tokens
