@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import torch
@@ -47,8 +48,9 @@ def validate(params: StructuredOutputParams, options: XGrammarOptions | None = N
 
 
 def _first_line(error: BaseException) -> str:
+    """The parser's message without xgrammar's "[time] source.cc:line:" prefix."""
     text = str(error).strip() or type(error).__name__
-    return text.splitlines()[0][:500]
+    return re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", text.splitlines()[0])[:500]
 
 
 class XGrammarMatcher(GrammarMatcher):

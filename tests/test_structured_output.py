@@ -264,3 +264,20 @@ def test_preempted_constrained_requests_replay_to_the_same_tokens(tiny_model, ba
     assert [o.outputs[0].token_ids for o in outs] == expected
     for o in outs[:2]:
         jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
+
+
+def test_paged_run_structured_flags(tiny_model, tmp_path, capsys):
+    from paged.core.cli.main import main
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    common = ["run", "-q", "--json", "--model", tiny_model, "--device", "cpu", "--attention", "torch",
+              "--max-model-len", "256", "--num-kv-blocks", "32", "--max-tokens", "40"]
+    assert main(common + ["--json-schema", str(schema), "JSON:"]) == 0
+    jsonschema.validate(json.loads(json.loads(capsys.readouterr().out)["requests"][0]["text"]), SCHEMA)
+    assert main(common + ["--structured-output-backend", "llguidance", "--choice", "up", "--choice", "down", "Go"]) == 0
+    assert json.loads(capsys.readouterr().out)["requests"][0]["text"] in ("up", "down")
+    assert main(common + ["--regex", "(x", "Hi"]) == 2
+    assert "structured_output.regex" in capsys.readouterr().err
+    assert main(common + ["--regex", "a", "--choice", "b", "Hi"]) == 2
+    assert "at most one of" in capsys.readouterr().err

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 from paged.core.config import EngineConfig, config_flags, dump_config, load_config, parse_key_values
@@ -132,6 +133,36 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     sampling.add_argument("--stop-token-ids", dest="sp:stop_token_ids", type=lambda s: [int(x) for x in s.split(",")],
                           default=argparse.SUPPRESS, help="comma-separated token ids")
     sampling.add_argument("--ignore-eos", dest="sp:ignore_eos", action="store_true", default=argparse.SUPPRESS)
+    structured = parser.add_argument_group("structured output (at most one; see --structured-output-backend)")
+    structured.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid under this JSON schema")
+    structured.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    structured.add_argument("--regex", help="the output matches this regular expression")
+    structured.add_argument("--choice", action="append", help="the output is one of these strings (repeatable)")
+    structured.add_argument("--grammar", metavar="FILE", help="the output follows this grammar (the backend's syntax)")
+
+
+def structured_output_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The --json-schema / --json-object / --regex / --choice / --grammar flags as the
+    ``structured_output`` sampling field (None when none is given)."""
+    out: dict[str, Any] = {}
+    for flag, field in (("json_schema", "json_schema"), ("grammar", "grammar")):
+        path = getattr(args, flag, None)
+        if path is not None:
+            try:
+                text = Path(path).read_text(encoding="utf-8")
+            except OSError as e:
+                raise PagedError(f"--{flag.replace('_', '-')}: cannot read {path!r}: {e}") from None
+            out[field] = text
+    if getattr(args, "json_object", False):
+        out["json_object"] = True
+    if getattr(args, "regex", None) is not None:
+        out["regex"] = args.regex
+    if getattr(args, "choice", None):
+        out["choice"] = list(args.choice)
+    if len(out) > 1:
+        raise PagedError(f"structured output: give at most one of --json-schema, --json-object, --regex, --choice, "
+                         f"--grammar (got {', '.join('--' + k.replace('_', '-') for k in out)})")
+    return out or None
 
 
 def _read_prompts(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -185,6 +216,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     items = _read_prompts(args)
     defaults: dict[str, Any] = {"temperature": 0.0, "max_tokens": 128}
     defaults.update({k[3:]: v for k, v in vars(args).items() if k.startswith("sp:")})
+    structured = structured_output_from_args(args)
+    if structured is not None:
+        defaults["structured_output"] = structured
     engine = LLMEngine(config)
     try:
         return _run_prompts(args, engine, items, defaults)
