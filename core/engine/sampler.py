@@ -160,7 +160,8 @@ class Sampler:
         self._generator.manual_seed(seed)
         self._seeded: dict[str, torch.Generator] = {}
         self._bitmask = torch.empty(0, (self.vocab_size + 31) // 32, dtype=torch.int32)  # grown on demand
-        self._bit_shifts = torch.arange(32, dtype=torch.int32, device=self.device)
+        # bit j of an int32 word (1 << 31 wraps to the sign bit, which is what the word holds)
+        self._bits = (torch.ones(32, dtype=torch.int64) << torch.arange(32)).to(torch.int32).to(self.device)
 
     # ------------------------------------------------------------------ state
 
@@ -256,12 +257,12 @@ class Sampler:
         for j, i in enumerate(rows):
             requests[i].grammar.fill_bitmask(bitmask, j)
         words = bitmask.to(logits.device, non_blocking=True)
-        allowed = ((words[:, :, None] >> self._bit_shifts) & 1).view(num_rows, -1)[:, :vocab].bool()
+        banned = ((words[:, :, None] & self._bits) == 0).view(num_rows, -1)[:, :vocab]
         if num_rows == logits.shape[0]:
-            logits.masked_fill_(~allowed, _NEG_INF)
+            logits.masked_fill_(banned, _NEG_INF)
         else:
             idx = torch.tensor(rows, device=logits.device)
-            logits[idx] = logits[idx].masked_fill_(~allowed, _NEG_INF)
+            logits[idx] = logits[idx].masked_fill_(banned, _NEG_INF)
 
     # -------------------------------------------------------------- penalties
 
