@@ -196,8 +196,8 @@ class AsyncLLM:
         if self._handler is None or self._handler.done():
             self._handler = asyncio.get_running_loop().create_task(self._output_handler(), name="paged-output-handler")
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        return self.input_processor.apply_chat_template(messages)
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        return self.input_processor.apply_chat_template(messages, tools)
 
     # --- requests ---------------------------------------------------------------------------
     async def add_request(

@@ -66,8 +66,8 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.model_info.max_model_len
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        return self.input_processor.apply_chat_template(messages)
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        return self.input_processor.apply_chat_template(messages, tools)
 
     def add_request(
         self,
