@@ -58,7 +58,8 @@ def test_rendering_for_a_template_without_tools():
     assert json.loads(out[2]["content"].split("<tool_call>")[1].split("</tool_call>")[0]) == {
         "name": "get_weather", "arguments": {"city": "Paris"}}
     assert out[3] == {"role": "user", "content": "<tool_response>\nsunny\n</tool_response>"}
-    assert render_tool_messages(msgs, [WEATHER], template_renders_tools=True) is msgs
+    passed = render_tool_messages(msgs, [WEATHER], template_renders_tools=True)
+    assert passed[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"} and passed[2] == msgs[2]
 
 
 TEXT = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -84,3 +85,15 @@ def test_hermes_parser_whole_and_streamed_in_any_pieces():
     assert HermesToolParser.parse("a < b <tool") == ("a < b <tool", [])
     content, calls = HermesToolParser.parse('<tool_call>{"name": "f", "arguments": {}}')
     assert content == "" and calls[0].name == "f"
+
+
+def test_smollm2_template_gets_tools_in_a_hermes_system_message(default_model_dir):
+    from paged.core.frontend.processor import InputProcessor
+    from paged.core.loading.loader import load_tokenizer
+
+    processor = InputProcessor(load_tokenizer(default_model_dir), None)
+    assert processor.template_renders_tools() is False  # SmolLM2's template ignores tools
+    prompt = processor.apply_chat_template([{"role": "user", "content": "Weather in Paris?"}], [WEATHER])
+    assert prompt.startswith("<|im_start|>system\nYou may call one or more functions")
+    assert '"name": "get_weather"' in prompt and prompt.endswith("<|im_start|>assistant\n")
+    assert "You may call" not in processor.apply_chat_template([{"role": "user", "content": "Hi"}])

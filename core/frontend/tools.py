@@ -123,7 +123,7 @@ def render_tool_messages(messages: list[dict[str, Any]], tools: list[dict[str, A
     one that does not, assistant ``tool_calls`` become ``<tool_call>`` text, tool results
     ``<tool_response>`` text in a user turn, and the tools a Hermes system message."""
     if template_renders_tools:
-        return messages
+        return [_with_argument_objects(m) for m in messages]
     out = []
     for k, m in enumerate(messages):
         role = m.get("role")
@@ -149,6 +149,23 @@ def render_tool_messages(messages: list[dict[str, Any]], tools: list[dict[str, A
         else:
             out.insert(0, {"role": "system", "content": system})
     return out
+
+
+def _with_argument_objects(message: dict[str, Any]) -> dict[str, Any]:
+    """Tool-call arguments as objects: templates write them with ``tojson`` (a JSON string would
+    be encoded twice)."""
+    if not message.get("tool_calls"):
+        return message
+    calls = []
+    for c in message["tool_calls"]:
+        fn = dict(c.get("function") or {})
+        if isinstance(fn.get("arguments"), str):
+            try:
+                fn["arguments"] = json.loads(fn["arguments"] or "{}")
+            except json.JSONDecodeError:
+                pass
+        calls.append({**c, "function": fn})
+    return {**message, "tool_calls": calls}
 
 
 # --- output side ---------------------------------------------------------------------------------
