@@ -12,6 +12,7 @@ import pytest
 from test_server import API_KEY, _free_port, serve
 
 pytestmark = pytest.mark.slow
+MODEL = None  # the served model's name, set by the client fixture
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -38,24 +39,27 @@ def server(default_model_dir, tmp_path_factory):
 def client(server):
     from openai import OpenAI
 
-    return OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=600)
+    client = OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=600)
+    global MODEL
+    MODEL = client.models.list().data[0].id
+    return client
 
 
 def chat(client, content, **kw):
-    return client.chat.completions.create(model="default", messages=[{"role": "user", "content": content}],
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
                                           temperature=0, **kw)
 
 
 def test_parse_with_a_pydantic_model(client):
-    from pydantic import BaseModel
+    from pydantic import BaseModel, Field
 
-    class City(BaseModel):
-        city: str
-        country: str
-        population_millions: float
+    class City(BaseModel):  # bounded strings: a 135M model may otherwise ramble inside one
+        city: str = Field(max_length=20)
+        country: str = Field(max_length=20)
+        population_millions: int = Field(ge=0, le=100)
 
     r = client.chat.completions.parse(
-        model="default", response_format=City, temperature=0, max_tokens=60,
+        model=MODEL, response_format=City, temperature=0, max_tokens=80,
         messages=[{"role": "user", "content": "Where is the Eiffel tower? Give city, country and population."}])
     parsed = r.choices[0].message.parsed
     assert isinstance(parsed, City) and parsed.city and parsed.country
@@ -150,7 +154,7 @@ def test_generated_json_schemas_produce_valid_json(client):
     assert len(schemas) >= 20
 
     def ask(schema):
-        r = client.completions.create(model="default", prompt="Here is a JSON object with made-up data:\n",
+        r = client.completions.create(model=MODEL, prompt="Here is a JSON object with made-up data:\n",
                                       max_tokens=200, temperature=0,
                                       extra_body={"structured_outputs": {"json": schema}})
         return r.choices[0]
@@ -163,7 +167,7 @@ def test_generated_json_schemas_produce_valid_json(client):
 
 
 def test_regex_and_choice(client):
-    r = client.completions.create(model="default", prompt="Phone number:", max_tokens=20, temperature=0,
+    r = client.completions.create(model=MODEL, prompt="Phone number:", max_tokens=20, temperature=0,
                                   extra_body={"structured_outputs": {"regex": r"\(\d{3}\) \d{3}-\d{4}"}})
     assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", r.choices[0].text)
     r = chat(client, "Is Paris in France?", max_tokens=5, extra_body={"guided_choice": ["yes", "no"]})
@@ -178,7 +182,7 @@ def _args_valid(call, tool):
 
 def test_tool_call_round_trip_required_then_answer(client):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    r = client.chat.completions.create(model="default", messages=messages, tools=[WEATHER, TIME],
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME],
                                        tool_choice="required", temperature=0, max_tokens=60)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
@@ -187,7 +191,7 @@ def test_tool_call_round_trip_required_then_answer(client):
     _args_valid(call, WEATHER if call.function.name == "get_weather" else TIME)
     messages += [choice.message.model_dump(exclude_none=True),
                  {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 degrees"}]
-    r = client.chat.completions.create(model="default", messages=messages, tools=[WEATHER, TIME], temperature=0,
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME], temperature=0,
                                        max_tokens=30)
     assert r.choices[0].message.content or r.choices[0].message.tool_calls
 
@@ -195,7 +199,7 @@ def test_tool_call_round_trip_required_then_answer(client):
 def _stream(client, **kw):
     calls: dict[int, dict] = {}
     content, finish = "", None
-    for chunk in client.chat.completions.create(model="default", stream=True, temperature=0, **kw):
+    for chunk in client.chat.completions.create(model=MODEL, stream=True, temperature=0, **kw):
         for choice in chunk.choices:
             delta = choice.delta
             content += delta.content or ""
@@ -212,7 +216,7 @@ def _stream(client, **kw):
 def test_tool_choice_named_streamed_and_not(client):
     named = {"type": "function", "function": {"name": "get_weather"}}
     messages = [{"role": "user", "content": "How warm is it in Rome?"}]
-    r = client.chat.completions.create(model="default", messages=messages, tools=[WEATHER, TIME],
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME],
                                        tool_choice=named, temperature=0, max_tokens=40)
     call = r.choices[0].message.tool_calls[0]
     assert call.function.name == "get_weather" and r.choices[0].finish_reason == "tool_calls"
@@ -242,7 +246,7 @@ def test_bad_constraints_and_tools_are_400s_naming_the_field(server, client):
          "/v1/chat/completions", "tools"),
     ]
     for body, path, field in cases:
-        r = server.post(path, {"model": "default", "max_tokens": 4, **body})
+        r = server.post(path, {"model": MODEL, "max_tokens": 4, **body})
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert error["param"] is not None and error["param"].startswith(field), error

@@ -12,6 +12,7 @@ from paged.core.server.errors import from_exception, invalid
 from paged.core.server.generation import ChoiceFormat, respond
 from paged.core.server.protocol import CompletionRequest, parse, sampling_params
 from paged.core.server.state import ServerState
+from paged.core.server.structured import structured_output_of
 from paged.core.server.streaming import completion_logprobs
 
 
@@ -49,7 +50,7 @@ def prompt_list(prompt: Any) -> list[str | list[int]]:
 async def completions(state: ServerState, body: Any) -> Response:
     try:
         req: CompletionRequest = parse(CompletionRequest, body)
-        state.require_llm()
+        llm = state.require_llm()
         state.check_model(req.model)
         if req.echo:
             raise invalid("echo: not supported", "echo")
@@ -58,6 +59,9 @@ async def completions(state: ServerState, body: Any) -> Response:
         if req.best_of is not None and req.best_of != req.n:
             raise invalid(f"best_of: only best_of == n is supported (got {req.best_of}, n={req.n})", "best_of")
         params = sampling_params(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
+        constraint = structured_output_of(req, validate=llm.input_processor.validate_structured_output)
+        if constraint is not None:
+            params = params.copy(structured_output=constraint)
         prompts = prompt_list(req.prompt)
     except Exception as e:
         return from_exception(e).response()
