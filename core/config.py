@@ -82,6 +82,12 @@ class AttentionConfig(_Section):
     options: dict[str, Any] = Field(default_factory=dict, description="the backend's typed options")
 
 
+class StructuredOutputConfig(_Section):
+    backend: str = Field("xgrammar", description="structured-output (grammar) backend plugin")
+    options: dict[str, Any] = Field(default_factory=dict, description="the backend's typed options")
+    compile_workers: int = Field(2, gt=0, description="threads that compile constraints, off the step")
+
+
 class ParallelConfig(_Section):
     tensor_parallel_size: int = Field(
         1, gt=0, description="ranks that split each layer (processes on this machine, or torchrun's WORLD_SIZE)"
@@ -160,6 +166,7 @@ class EngineConfig(BaseSettings):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     attention: AttentionConfig = Field(default_factory=AttentionConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    structured_output: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
 
     @classmethod
@@ -275,6 +282,8 @@ FLAG_ALIASES = {
     ("attention", "backend"): "attention",
     ("model", "model"): "model",
     ("cache", "num_blocks"): "num-kv-blocks",
+    ("structured_output", "backend"): "structured-output-backend",
+    ("structured_output", "compile_workers"): "structured-output-compile-workers",
 }
 
 
@@ -359,6 +368,18 @@ def resolve_plugins(config: EngineConfig, registry=None, device: str = "cpu") ->
             )
     attention_options = _validate_options(attention, config.attention.options, "attention.options")
     return ResolvedPlugins(policy, policy_options, attention, attention_options)
+
+
+def resolve_structured_output(config: EngineConfig, registry=None) -> tuple[Any, BaseModel | None]:
+    """The structured-output backend spec named by the config, and its validated options."""
+    from paged.core.registry import get_registry
+
+    registry = registry or get_registry()
+    spec = registry.structured_output_backend(config.structured_output.backend)
+    ok, reason = spec.is_available()
+    if not ok:
+        raise ConfigError(f"structured_output.backend: {spec.name!r} cannot run here: {reason}")
+    return spec, _validate_options(spec, config.structured_output.options, "structured_output.options")
 
 
 def dump_config(config: EngineConfig, fmt: str = "yaml") -> str:

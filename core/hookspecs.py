@@ -1,4 +1,4 @@
-"""The three extension points of paged, and where their contracts are.
+"""The extension points of paged, and where their contracts are.
 
 Each hook is a *registration* hook: it is called once, when plugins are loaded at start-up, and
 returns plain objects (specs) that the core keeps in registries. Nothing here is called per step
@@ -13,7 +13,8 @@ A plugin is a module (found through the ``paged`` entry-point group) that implem
         return [PolicySpec(name="shortest-first", factory=ShortestFirst, options=ShortestOptions)]
 
 The contracts the specs' factories meet: ``paged.core.policy`` (scheduling policies),
-``paged.core.attention`` (attention backends) and ``paged.core.model`` (model architectures;
+``paged.core.attention`` (attention backends), ``paged.core.structured_output`` (grammar
+backends for structured outputs) and ``paged.core.model`` (model architectures;
 ``AttentionShape``, ``CausalLM`` and ``ModelClass`` are re-exported here). A model plugin builds
 its layers from ``paged.models.layers`` (tensor-parallel linears, embeddings, norms, rotary,
 attention) and loads its checkpoint with ``paged.core.loading.weights.load_checkpoint``;
@@ -32,7 +33,7 @@ from paged.core.model import AttentionShape, CausalLM, ModelClass
 
 __all__ = [
     "AttentionBackendSpec", "AttentionShape", "CausalLM", "ModelClass", "ModelSpec", "PagedHookSpecs",
-    "PolicySpec", "hookimpl", "hookspec",
+    "PolicySpec", "StructuredOutputBackendSpec", "hookimpl", "hookspec",
 ]
 
 PROJECT = "paged"
@@ -87,6 +88,25 @@ class ModelSpec:
     description: str = ""
 
 
+@dataclass(frozen=True)
+class StructuredOutputBackendSpec:
+    """A grammar engine for structured outputs (see paged.core.structured_output).
+
+    ``factory(tokenizer, vocab_size, eos_token_ids, options) -> StructuredOutputBackend`` (built
+    in the engine core, off the step, on the first constrained request); ``validate(params,
+    options)`` checks a ``StructuredOutputParams`` without a tokenizer (the front-end calls it before
+    queueing) and raises ``ValueError`` naming the problem. ``is_available()`` returns
+    ``(ok, reason)`` (e.g. the engine's package is not installed) and never raises.
+    """
+
+    name: str
+    factory: Callable[..., Any]
+    validate: Callable[[Any, Any], None]
+    options: type[BaseModel] | None = None
+    description: str = ""
+    is_available: Callable[[], tuple[bool, str]] = field(default=lambda: (True, ""))
+
+
 class PagedHookSpecs:
     @hookspec
     def register_policies(self) -> list[PolicySpec]:
@@ -99,3 +119,7 @@ class PagedHookSpecs:
     @hookspec
     def register_models(self) -> list[ModelSpec]:
         """Return the model architectures this plugin provides."""
+
+    @hookspec
+    def register_structured_output_backends(self) -> list[StructuredOutputBackendSpec]:
+        """Return the structured-output (grammar) backends this plugin provides."""

@@ -33,6 +33,7 @@ from paged.core.hookspecs import (
     ModelSpec,
     PagedHookSpecs,
     PolicySpec,
+    StructuredOutputBackendSpec,
 )
 
 logger = logging.getLogger("paged")
@@ -42,6 +43,7 @@ _KINDS = {
     "register_policies": ("policies", "name"),
     "register_attention_backends": ("attention_backends", "name"),
     "register_models": ("models", "architecture"),
+    "register_structured_output_backends": ("structured_output_backends", "name"),
 }
 
 
@@ -78,6 +80,7 @@ class Registry:
     policies: dict[str, PolicySpec] = field(default_factory=dict)
     attention_backends: dict[str, AttentionBackendSpec] = field(default_factory=dict)
     models: dict[str, ModelSpec] = field(default_factory=dict)
+    structured_output_backends: dict[str, StructuredOutputBackendSpec] = field(default_factory=dict)
     owner: dict[tuple[str, str], str] = field(default_factory=dict)  # (kind, name) -> plugin
     plugins: list[PluginInfo] = field(default_factory=list)
     # (kind, name) -> every plugin registering it; such names are not in the tables above
@@ -114,6 +117,9 @@ class Registry:
 
     def attention_backend(self, name: str) -> AttentionBackendSpec:
         return self._lookup("attention_backends", "attention.backend", name)
+
+    def structured_output_backend(self, name: str) -> StructuredOutputBackendSpec:
+        return self._lookup("structured_output_backends", "structured_output.backend", name)
 
     def model(self, architecture: str) -> ModelSpec:
         try:

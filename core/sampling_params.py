@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 
 from paged.core.errors import InvalidRequestError
+from paged.core.structured_output import StructuredOutputParams
 
 # Integers cross the process boundary as msgpack int64; floats become float32 on the device.
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -41,8 +42,12 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    # Constrain the output to a JSON schema / any JSON object / regex / choice / grammar.
+    structured_output: StructuredOutputParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_output, dict):
+            self.structured_output = StructuredOutputParams.from_dict(self.structured_output)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -101,6 +106,17 @@ class SamplingParams:
             bad("frequency_penalty", "must be in [-2, 2]")
         if not 0.01 <= self.repetition_penalty <= 100.0:  # logits are divided by it in float32
             bad("repetition_penalty", "must be in [0.01, 100] (1 disables it)")
+        if self.structured_output is not None:
+            if not isinstance(self.structured_output, StructuredOutputParams):
+                bad("structured_output", "must be a StructuredOutputParams or a dict of its fields")
+            self.structured_output.validate()
+            if self.min_tokens:
+                # The grammar may allow only EOS while min_tokens forbids it: nothing would be left.
+                bad("min_tokens", "must be 0 when structured_output is set")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
 
     def copy(self, **changes) -> "SamplingParams":
         return replace(self, **changes)

@@ -12,9 +12,11 @@ import argparse
 import difflib
 import types
 import typing
+from pathlib import Path
 from typing import Any, Literal
 
 from paged.core.config import EngineConfig, config_flags, load_config, parse_key_values
+from paged.core.errors import PagedError
 
 CFG = "cfg:"
 SP = "sp:"
@@ -93,6 +95,8 @@ def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("
                            help="an option of the selected policy, e.g. aging_s=5 (repeatable)")
     group.add_argument("--attention-option", action="append", metavar="KEY=VALUE",
                        help="an option of the selected attention backend (repeatable)")
+    group.add_argument("--structured-output-option", action="append", metavar="KEY=VALUE",
+                       help="an option of the selected structured-output backend (repeatable)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -111,6 +115,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     attention_options = parse_key_values(args.attention_option, "attention-option")
     if attention_options:
         overrides.setdefault("attention", {})["options"] = attention_options
+    structured_options = parse_key_values(getattr(args, "structured_output_option", None), "structured-output-option")
+    if structured_options:
+        overrides.setdefault("structured_output", {})["options"] = structured_options
     return load_config(args.config_file, overrides)
 
 
@@ -148,3 +155,38 @@ def add_sampling_flags(parser: argparse.ArgumentParser, title: str) -> None:
 
 def sampling_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {k[len(SP):]: v for k, v in vars(args).items() if k.startswith(SP)}
+
+
+# --- structured-output flags of `paged run` --------------------------------------------------------
+def add_structured_output_flags(parser: argparse.ArgumentParser) -> None:
+    structured = parser.add_argument_group("structured output (at most one; see --structured-output-backend)")
+    structured.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid under this JSON schema")
+    structured.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    structured.add_argument("--regex", metavar="TEXT", help="the output matches this regular expression")
+    structured.add_argument("--choice", action="append", metavar="TEXT",
+                            help="the output is one of these strings (repeatable)")
+    structured.add_argument("--grammar", metavar="FILE", help="the output follows this grammar (the backend's syntax)")
+
+
+def structured_output_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The --json-schema / --json-object / --regex / --choice / --grammar flags as the
+    ``structured_output`` sampling field (None when none is given)."""
+    out: dict[str, Any] = {}
+    for flag, field in (("json_schema", "json_schema"), ("grammar", "grammar")):
+        path = getattr(args, flag, None)
+        if path is not None:
+            try:
+                text = Path(path).read_text(encoding="utf-8")
+            except OSError as e:
+                raise PagedError(f"--{flag.replace('_', '-')}: cannot read {path!r}: {e}") from None
+            out[field] = text
+    if getattr(args, "json_object", False):
+        out["json_object"] = True
+    if getattr(args, "regex", None) is not None:
+        out["regex"] = args.regex
+    if getattr(args, "choice", None):
+        out["choice"] = list(args.choice)
+    if len(out) > 1:
+        raise PagedError(f"structured output: give at most one of --json-schema, --json-object, --regex, --choice, "
+                         f"--grammar (got {', '.join('--' + k.replace('_', '-') for k in out)})")
+    return out or None

@@ -18,8 +18,10 @@ from paged.core.cli.flags import (
     Parser,
     add_engine_flags,
     add_sampling_flags,
+    add_structured_output_flags,
     engine_config_from_args,
     sampling_overrides,
+    structured_output_from_args,
 )
 from paged.core.cli.show_config import cmd_config
 from paged.core.config import EngineConfig
@@ -72,6 +74,7 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--record-trace", metavar="PATH", help="write what was served as a lab trace (JSONL; "
                         "see `paged lab replay`)")
     add_sampling_flags(parser, "sampling (defaults: greedy, 128 tokens; see README: Sampling defaults)")
+    add_structured_output_flags(parser)
 
 
 def _read_prompts(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -125,6 +128,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     items = _read_prompts(args)
     defaults: dict[str, Any] = {"temperature": 0.0, "max_tokens": 128}
     defaults.update(sampling_overrides(args))
+    structured = structured_output_from_args(args)
+    if structured is not None:
+        defaults["structured_output"] = structured
     _sampling_params(items, defaults)  # bad sampling flags fail before the model loads
     engine = LLMEngine(config)
     try:

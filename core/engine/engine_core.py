@@ -9,14 +9,17 @@ runs in-process (``LLMEngine``) or in its own process behind ZeroMQ.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from paged.core.config import EngineConfig, resolve_plugins
+from paged.core.config import EngineConfig, resolve_plugins, resolve_structured_output
+from paged.core.engine.grammar import StructuredOutputManager
 from paged.core.engine.kv_cache_manager import KVCacheManager
 from paged.core.engine.outputs import EngineCoreOutput
 from paged.core.engine.request import Request, RequestStatus
 from paged.core.engine.scheduler import Scheduler, SchedulerOutput
+from paged.core.errors import InvalidRequestError
 from paged.core.loading.model_config import resolve_model
 
 logger = logging.getLogger("paged")
@@ -94,36 +97,92 @@ class EngineCore:
             block_size=config.cache.block_size,
             tokenizer_dir=str(self.model_config.tokenizer_dir),
         )
+        spec, options = resolve_structured_output(config, registry)
+        self.structured_output = StructuredOutputManager(
+            spec, options, self.model_info.tokenizer_dir or self.model_info.model_dir, self.model_config.vocab_size,
+            self.model_info.eos_token_ids, max_workers=config.structured_output.compile_workers,
+        )
+        # Constrained requests whose matcher is being built: outside the scheduler until ready.
+        self.compiling: dict[str, tuple[Request, Future]] = {}
         self.stats = CoreStats()
         # Called with each step's SchedulerOutput right after scheduling, before the model runs
         # (the policy lab records steps this way); empty in serving.
         self.schedule_observers: list[Callable[[SchedulerOutput], None]] = []
 
     def add_request(self, request: Request) -> None:
-        """Queue a request; raises InvalidRequestError if it could never run."""
-        self.scheduler.add_request(request)
+        """Queue a request; raises InvalidRequestError if it could never run. A constrained one
+        waits here, outside the scheduler, until its grammar is compiled."""
+        params = request.sampling_params.structured_output
+        if params is None:
+            self.scheduler.add_request(request)
+            return
+        if request.request_id in self.scheduler.requests or request.request_id in self.compiling:
+            raise InvalidRequestError(f"request_id: {request.request_id!r} is already in use")
+        self.scheduler.check_request(request.num_prompt_tokens, request.max_tokens)
+        self.compiling[request.request_id] = (request, self.structured_output.submit(params))
 
     def abort_requests(self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        request_ids = list(request_ids)
+        for request_id in request_ids:
+            entry = self.compiling.pop(request_id, None)
+            if entry is not None:
+                entry[1].cancel()
         self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.compiling)
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Move the requests whose matcher is ready into the scheduler; end those whose
+        constraint failed to compile (finish_reason "abort"; the front-end validated it, so this
+        is a backend limit that only a full compile finds). Waits a little when nothing else can
+        run, rather than spinning."""
+        if not self.scheduler.has_unfinished_requests():
+            wait([f for _, f in self.compiling.values()], timeout=0.05, return_when=FIRST_COMPLETED)
+        failed = []
+        for request_id, (request, future) in list(self.compiling.items()):
+            if not future.done():
+                continue
+            del self.compiling[request_id]
+            try:
+                request.grammar = future.result()
+            except Exception as e:
+                logger.warning("request %s: structured output failed to compile: %s", request_id, e)
+                request.status = RequestStatus.FINISHED_ABORTED
+                failed.append(EngineCoreOutput(request_id, [], finish_reason="abort", arrival_time=request.arrival_time))
+                continue
+            self.scheduler.add_request(request)
+        return failed
 
     def step(self) -> list[EngineCoreOutput]:
+        failed = self._admit_compiled() if self.compiling else []
         scheduler_output = self.scheduler.schedule()
         for observe in self.schedule_observers:
             observe(scheduler_output)
         result = self.runner.execute(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, result.sampled_token_ids, result.logprobs)
+        # Advance each constrained request's matcher by the token it just received.
+        constrained = {s.request.request_id: s.request for s in scheduler_output.scheduled if s.request.grammar is not None}
+        for index, output in enumerate(outputs if constrained else ()):
+            request = constrained.get(output.request_id)
+            if request is None:
+                continue
+            if not self.structured_output.accept(request, output.new_token_ids[-1]):
+                # The mask allowed only tokens the grammar accepts: this is a backend fault.
+                logger.error("request %s: the grammar refused its sampled token", request.request_id)
+                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
+                logprobs = output.logprobs[-1] if output.logprobs else None
+                outputs[index] = EngineCoreOutput.of(request, logprobs)
         stats = self.stats
         stats.num_steps += 1
         stats.num_preemptions += len(scheduler_output.preempted_request_ids)
         stats.kv_usage = self.kv_cache_manager.usage
         stats.peak_kv_usage = max(stats.peak_kv_usage, stats.kv_usage)
-        return outputs
+        return failed + outputs if failed else outputs
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel ranks, if any; idempotent."""
+        """Stop the tensor-parallel ranks, if any, and the compile threads; idempotent."""
+        self.structured_output.shutdown()
         if self.tp_ranks is not None:
             self.tp_ranks.shutdown()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from paged.core.sampling_params import SamplingParams
 
@@ -50,6 +51,9 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
+    # Structured output: the matcher (paged.core.structured_output.GrammarMatcher), set by the
+    # engine core once compiled; it has accepted exactly output_token_ids.
+    grammar: Any = None
     # Set by the policy at admission; compared with < (lower runs first, higher is preempted).
     sort_key: tuple = ()
     # Timestamps for metrics.

@@ -3,6 +3,9 @@
 The model runner calls :meth:`Sampler.sample` once per step with one row of logits per request.
 Per row, in this order (the order vLLM uses):
 
+0. structured output: a request with a grammar matcher (``request.grammar``, see
+   paged.core.structured_output) fills its row of an int32 bitmask; the rows are unpacked and
+   the disallowed tokens of every constrained row set to ``-inf`` in one batched op;
 1. repetition penalty (HF semantics) over prompt + output tokens;
 2. frequency and presence penalties (OpenAI semantics) over output tokens only;
 3. ``min_tokens``: while the request has fewer output tokens, its EOS token (unless
@@ -156,6 +159,9 @@ class Sampler:
             seed = int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
         self._generator.manual_seed(seed)
         self._seeded: dict[str, torch.Generator] = {}
+        self._bitmask = torch.empty(0, (self.vocab_size + 31) // 32, dtype=torch.int32)  # grown on demand
+        # bit j of an int32 word (1 << 31 wraps to the sign bit, which is what the word holds)
+        self._bits = (torch.ones(32, dtype=torch.int64) << torch.arange(32)).to(torch.int32).to(self.device)
 
     # ------------------------------------------------------------------ state
 
@@ -191,18 +197,21 @@ class Sampler:
         min_tok_rows = [i for i, (r, p) in enumerate(zip(requests, params)) if len(r.output_token_ids) < p.min_tokens]
         want_logprobs = any(p.logprobs is not None for p in params)
         all_greedy = all(p.temperature == 0.0 for p in params)
+        grammar_rows = [i for i, r in enumerate(requests) if r.grammar is not None and not r.grammar.is_terminated()]
 
         # Fast path: a plain greedy batch is one argmax. (The float32 conversion is exact; on CPU,
         # where half-precision argmax is slow, converting first is faster.)
-        if all_greedy and not (use_rep or use_freq_pres or min_tok_rows or want_logprobs):
+        if all_greedy and not (use_rep or use_freq_pres or min_tok_rows or want_logprobs or grammar_rows):
             if logits.device.type == "cpu":
                 logits = logits.to(torch.float32)
             return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * num)
 
-        copied = bool(use_rep or use_freq_pres or min_tok_rows)
+        copied = bool(use_rep or use_freq_pres or min_tok_rows or grammar_rows)
         if copied:
-            # One private float32 copy that the penalties and the mask then edit in place.
+            # One private float32 copy that the masks and the penalties then edit in place.
             logits = logits.to(torch.float32, copy=True)
+            if grammar_rows:
+                self._apply_grammar_masks(logits, requests, grammar_rows)
             if use_rep or use_freq_pres:
                 self._apply_penalties(logits, requests, use_rep, use_freq_pres)
             if min_tok_rows:
@@ -235,6 +244,25 @@ class Sampler:
         if logprobs_all is not None:
             self._fill_logprobs(out_logprobs, logprobs_all, lp_rows, token_ids, params)
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=out_logprobs)
+
+    # ------------------------------------------------------- structured output
+
+    def _apply_grammar_masks(self, logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
+        """Each constrained row's matcher fills its bitmask row (on the CPU, where the matchers
+        live); then one batched op unpacks the bits and masks every constrained row."""
+        num_rows, vocab = len(rows), logits.shape[1]
+        if self._bitmask.shape[0] < num_rows:
+            self._bitmask = torch.empty(max(num_rows, 2 * self._bitmask.shape[0]), self._bitmask.shape[1], dtype=torch.int32)
+        bitmask = self._bitmask[:num_rows]
+        for j, i in enumerate(rows):
+            requests[i].grammar.fill_bitmask(bitmask, j)
+        words = bitmask.to(logits.device, non_blocking=True)
+        banned = ((words[:, :, None] & self._bits) == 0).view(num_rows, -1)[:, :vocab]
+        if num_rows == logits.shape[0]:
+            logits.masked_fill_(banned, _NEG_INF)
+        else:
+            idx = torch.tensor(rows, device=logits.device)
+            logits[idx] = logits[idx].masked_fill_(banned, _NEG_INF)
 
     # -------------------------------------------------------------- penalties
 

@@ -45,7 +45,7 @@ from paged.core.ipc.messages import (
 )
 from paged.core.errors import InvalidRequestError, PagedError
 from paged.core.frontend.outputs import RequestOutput
-from paged.core.frontend.processor import InputProcessor, OutputProcessor
+from paged.core.frontend.processor import InputProcessor, OutputProcessor, structured_output_validator
 from paged.core.sampling_params import SamplingParams
 
 logger = logging.getLogger("paged")
@@ -114,7 +114,7 @@ class AsyncLLM:
         self.tokenizer = tokenizer
         # the model's generation_config.json sampling, for the fields a request leaves unset
         self.default_sampling = load_generation_defaults(self.model_info.model_dir)
-        self.input_processor = InputProcessor(tokenizer, self.model_info)
+        self.input_processor = InputProcessor(tokenizer, self.model_info, structured_output_validator(config))
         self.output_processor = OutputProcessor()
         self.observer = observer or StatsObserver()
         self.streams: dict[str, RequestStream] = {}
@@ -199,8 +199,8 @@ class AsyncLLM:
         if self._handler is None or self._handler.done():
             self._handler = asyncio.get_running_loop().create_task(self._output_handler(), name="paged-output-handler")
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        return self.input_processor.apply_chat_template(messages)
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        return self.input_processor.apply_chat_template(messages, tools)
 
     # --- requests ---------------------------------------------------------------------------
     async def add_request(

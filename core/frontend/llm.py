@@ -19,9 +19,10 @@ def settings_to_overrides(settings: dict[str, Any]) -> dict[str, Any]:
     by_name = {}
     for flag in config_flags():
         for name in {flag.field, flag.name.replace("-", "_")}:
-            by_name[name] = flag
+            by_name.setdefault(name, flag)  # a field name two sections share keeps its first owner
     by_name["policy_options"] = Flag("policy-options", "scheduler", "policy_options", dict, "")
     by_name["attention_options"] = Flag("attention-options", "attention", "options", dict, "")
+    by_name["structured_output_options"] = Flag("structured-output-options", "structured_output", "options", dict, "")
     sections = {n for n, f in EngineConfig.model_fields.items() if n != "device"}
     out: dict[str, Any] = {}
     for key, value in settings.items():

@@ -17,7 +17,7 @@ from paged.core.config import EngineConfig
 from paged.core.engine.engine_core import EngineCore
 from paged.core.errors import ConfigError, InvalidRequestError
 from paged.core.frontend.outputs import RequestOutput
-from paged.core.frontend.processor import InputProcessor, OutputProcessor
+from paged.core.frontend.processor import InputProcessor, OutputProcessor, structured_output_validator
 from paged.core.engine.request import RequestStatus
 from paged.core.sampling_params import SamplingParams
 
@@ -46,7 +46,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_info.tokenizer_dir or self.model_info.model_dir)
         # the model's generation_config.json sampling, for requests that leave those fields unset
         self.default_sampling = load_generation_defaults(self.model_info.model_dir)
-        self.input_processor = InputProcessor(self.tokenizer, self.model_info)
+        self.input_processor = InputProcessor(self.tokenizer, self.model_info, structured_output_validator(config, registry))
         self.output_processor = OutputProcessor()
         self._ids = itertools.count()
 
@@ -58,8 +58,8 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.model_info.max_model_len
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        return self.input_processor.apply_chat_template(messages)
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        return self.input_processor.apply_chat_template(messages, tools)
 
     def add_request(
         self,

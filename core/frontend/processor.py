@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from paged.core.frontend.detokenizer import IncrementalDetokenizer
 from paged.core.engine.engine_core import ModelInfo
 from paged.core.engine.outputs import EngineCoreOutput
 from paged.core.errors import InvalidRequestError
+from paged.core.frontend.tools import render_tool_messages
 from paged.core.frontend.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from paged.core.engine.request import Request
 from paged.core.sampling_params import SamplingParams
+from paged.core.structured_output import StructuredOutputParams
 from paged.core.engine.scheduler import check_request_fits
 
 
@@ -44,17 +46,58 @@ class ParentRequest:
         return [c.request_id for c in self.children]
 
 
+def structured_output_validator(config, registry=None) -> Callable[[StructuredOutputParams], None]:
+    """The configured backend's cheap check of a constraint (no tokenizer), as a function that
+    raises InvalidRequestError naming the field and the problem."""
+    from paged.core.config import resolve_structured_output
+
+    spec, options = resolve_structured_output(config, registry)
+
+    def validate(params: StructuredOutputParams) -> None:
+        try:
+            spec.validate(params, options)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+
+    return validate
+
+
 class InputProcessor:
-    def __init__(self, tokenizer, model_info: ModelInfo) -> None:
+    def __init__(self, tokenizer, model_info: ModelInfo,
+                 validate_structured_output: Callable[[StructuredOutputParams], None] | None = None) -> None:
         self.tokenizer = tokenizer
         self.info = model_info
+        self.validate_structured_output = validate_structured_output
+        self._renders_tools: bool | None = None
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The prompt for a conversation; ``tools`` (OpenAI function tools) go to a template that
+        renders them, else into a Hermes-style system message (paged.core.frontend.tools)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("messages: this model's tokenizer has no chat template")
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise InvalidRequestError("messages: must be a list of {'role': ..., 'content': ...} objects")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        kwargs = {}
+        if tools or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages):
+            renders = self.template_renders_tools()
+            messages = render_tool_messages(messages, tools, renders)
+            if renders and tools:
+                kwargs["tools"] = tools
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+
+    def template_renders_tools(self) -> bool:
+        """Whether the chat template shows ``tools`` (it changes the prompt); probed once."""
+        if self._renders_tools is None:
+            probe = [{"role": "user", "content": "hi"}]
+            tool = {"type": "function", "function": {"name": "probe_fn", "parameters": {"type": "object"}}}
+            plain = self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+            try:
+                with_tools = self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True,
+                                                                tools=[tool])
+            except Exception:  # a template that chokes on tools does not render them
+                with_tools = plain
+            self._renders_tools = "probe_fn" in with_tools and with_tools != plain
+        return self._renders_tools
 
     def process(
         self,
@@ -82,6 +125,8 @@ class InputProcessor:
                 raise InvalidRequestError(
                     f"prompt_token_ids: {bad[:5]} out of range; token ids must be in [0, {self.info.vocab_size})"
                 )
+        if params.structured_output is not None and self.validate_structured_output is not None:
+            self.validate_structured_output(params.structured_output)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority: invalid value {priority!r}; must be an integer")
         max_tokens = params.max_tokens

@@ -13,6 +13,9 @@ from paged.core.server.errors import from_exception, invalid
 from paged.core.server.generation import ChoiceFormat, accept, respond
 from paged.core.server.protocol import ChatCompletionRequest, ChatMessage, check_limits, sampling_params
 from paged.core.server.state import ServerState
+from paged.core.server.structured import structured_output_of
+from paged.core.server.tool_calls import ToolCallShaper, model_type
+from paged.core.frontend.tools import check_tools, tool_choice_mode, tool_constraint, tool_parser_for
 from paged.core.server.streaming import chat_logprobs
 
 
@@ -24,24 +27,35 @@ class ChatFormat(ChoiceFormat):
         return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                 for i in range(n)]
 
+    def __init__(self, tokens, tools: ToolCallShaper) -> None:
+        super().__init__(tokens)
+        self.tools = tools
+
     def final_choice(self, index: int, c: CompletionOutput) -> dict[str, Any]:
+        if self.tools.active:
+            message, finish_reason = self.tools.message(c)
+            return {"index": index, "message": message,
+                    "logprobs": chat_logprobs(self.tok, c.logprobs) if c.logprobs is not None else None,
+                    "finish_reason": finish_reason, "stop_reason": c.stop_reason}
         return {"index": index, "message": {"role": "assistant", "content": c.text},
                 "logprobs": chat_logprobs(self.tok, c.logprobs) if c.logprobs is not None else None,
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
     def delta_choice(self, index: int, c: CompletionOutput, new_logprobs: list | None) -> dict[str, Any]:
-        delta = {"content": c.new_text} if c.new_text or not c.finished else {}
         logprobs = chat_logprobs(self.tok, new_logprobs) if new_logprobs is not None else None
+        if self.tools.active:
+            delta, finish_reason = self.tools.delta(index, c)
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        delta = {"content": c.new_text} if c.new_text or not c.finished else {}
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": c.finish_reason}
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """What the chat template sees: role (developer rendered as system) and content as a string
-    (text parts joined; null is empty). Nothing else of a message reaches the template."""
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """What the chat template sees: role (developer rendered as system), content as a string
+    (text parts joined; null is empty) and, when set, an assistant's ``tool_calls`` and a tool
+    result's ``tool_call_id`` and ``name`` (for tool-calling templates)."""
     out = []
     for k, m in enumerate(messages):
-        if m.tool_calls:
-            raise invalid(f"messages[{k}].tool_calls: not supported", "messages")
         content = m.content
         if isinstance(content, list):
             parts = []
@@ -52,7 +66,14 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
                     raise invalid(f"messages[{k}].content: only text parts ({{'type': 'text', 'text': ...}}) "
                                   "are supported", "messages")
             content = "".join(parts)
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+        message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+        if m.tool_calls:
+            message["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
     return out
 
 
@@ -60,12 +81,20 @@ async def chat(state: ServerState, body: Any) -> Response:
     try:
         req: ChatCompletionRequest = accept(state, ChatCompletionRequest, body)
         llm = state.require_llm()
-        if req.tools:
-            raise invalid("tools: not supported", "tools")
-        if req.tool_choice not in (None, "none"):
-            raise invalid("tool_choice: not supported", "tool_choice")
-        if req.response_format is not None and req.response_format.get("type") != "text":
-            raise invalid("response_format: only {'type': 'text'} is supported", "response_format")
+        tools = check_tools(req.tools) if req.tools is not None else None
+        tool_mode, tool_name = tool_choice_mode(req.tool_choice, tools)
+        validate = llm.input_processor.validate_structured_output
+        constraint = structured_output_of(req, req.response_format, validate)
+        forced = tool_constraint(tool_mode, tool_name, tools, req.parallel_tool_calls is not False) if tools else None
+        if forced is not None:
+            if constraint is not None:
+                raise invalid(f"tool_choice: {req.tool_choice!r} cannot be combined with another structured-output "
+                              "constraint (response_format, structured_outputs, guided_*)", "tool_choice")
+            try:
+                validate(forced)
+            except InvalidRequestError as e:
+                raise invalid(f"tools: a function's parameters cannot be used as a constraint: {e}", "tools") from None
+            constraint = forced
         if req.top_logprobs is not None and not req.logprobs:
             raise invalid("top_logprobs: requires logprobs to be true", "top_logprobs")
         check_limits(req, state.config.server, 1)
@@ -80,11 +109,14 @@ async def chat(state: ServerState, body: Any) -> Response:
             if req.logprobs and msg.startswith("logprobs:"):
                 raise invalid("top_logprobs:" + msg[len("logprobs:"):], "top_logprobs") from None
             raise
+        if constraint is not None:
+            params = params.copy(structured_output=constraint)
         if not req.messages:
             raise invalid("messages: must not be empty", "messages")
-        prompt = await state.inputs.render_chat(chat_messages(req.messages))
+        prompt = await state.inputs.render_chat(chat_messages(req.messages), tools if tool_mode != "none" else None)
+        shaper = ToolCallShaper(tool_mode, tool_name, tool_parser_for(model_type(llm.model_info.model_dir)))
     except Exception as e:
         return from_exception(e).response()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await respond(state, ChatFormat(state.tokens), f"chatcmpl-{uuid.uuid4().hex}", [prompt], params,
+    return await respond(state, ChatFormat(state.tokens, shaper), f"chatcmpl-{uuid.uuid4().hex}", [prompt], params,
                          req.priority, False, req.stream, include_usage, state.config.server.chat_default_max_tokens)

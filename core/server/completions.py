@@ -12,6 +12,7 @@ from paged.core.server.errors import from_exception, invalid
 from paged.core.server.generation import ChoiceFormat, accept, respond
 from paged.core.server.protocol import CompletionRequest, check_limits, sampling_params
 from paged.core.server.state import ServerState
+from paged.core.server.structured import structured_output_of
 from paged.core.server.streaming import completion_logprobs
 
 
@@ -51,7 +52,8 @@ def prompt_list(prompt: Any) -> list[str | list[int]]:
 async def completions(state: ServerState, body: Any) -> Response:
     try:
         req: CompletionRequest = accept(state, CompletionRequest, body)
-        defaults = state.require_llm().default_sampling  # the model's generation_config.json
+        llm = state.require_llm()
+        defaults = llm.default_sampling  # the model's generation_config.json
         if req.echo:
             raise invalid("echo: not supported", "echo")
         if req.suffix:
@@ -62,6 +64,9 @@ async def completions(state: ServerState, body: Any) -> Response:
         check_limits(req, state.config.server, len(prompts))
         max_tokens = defaults.get("max_tokens", 16) if req.max_tokens is None else req.max_tokens
         params = sampling_params(req, max_tokens, req.logprobs, defaults)
+        constraint = structured_output_of(req, validate=llm.input_processor.validate_structured_output)
+        if constraint is not None:
+            params = params.copy(structured_output=constraint)
     except Exception as e:
         return from_exception(e).response()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

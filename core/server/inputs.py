@@ -51,10 +51,10 @@ class PromptInputs:
         it = iter(ids)
         return [next(it) if isinstance(p, str) else None for p in prompts]
 
-    async def render_chat(self, messages: list[dict[str, str]]) -> str:
+    async def render_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> str:
         self.check_length("messages", sum(len(m["content"]) for m in messages))
         try:
-            return await self._run(self.llm.apply_chat_template, messages)
+            return await self._run(self.llm.apply_chat_template, messages, tools)
         except InvalidRequestError:
             raise
         except (TypeError, ValueError, KeyError, IndexError) as e:

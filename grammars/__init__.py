@@ -1,0 +1,1 @@
+"""Structured-output (grammar) backends bundled with paged: xgrammar and llguidance."""

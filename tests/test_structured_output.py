@@ -1,0 +1,283 @@
+"""Structured outputs: the grammar backends against brute force, the batched mask in the sampler,
+and the engine (mixed batches, reproducibility, preemption, length, bad input) on a tiny model."""
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import jsonschema
+import msgspec
+import pytest
+import torch
+
+from paged.core.errors import InvalidRequestError
+from paged.core.sampling_params import SamplingParams
+from paged.core.structured_output import StructuredOutputParams as SO
+
+BACKENDS = ["xgrammar", "llguidance"]
+
+
+# --- fixtures ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    from paged.core.loading.loader import load_tokenizer
+
+    return load_tokenizer(default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def backends(tokenizer):
+    from paged.grammars.llguidance_backend import LLGuidanceBackend
+    from paged.grammars.xgrammar_backend import XGrammarBackend
+
+    eos = [tokenizer.eos_token_id]
+    return {"xgrammar": XGrammarBackend(tokenizer, 49152, eos, None), "llguidance": LLGuidanceBackend(tokenizer, 49152, eos, None)}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, default_model_dir):
+    """A random-weight 1-layer Llama (hidden 32) with the default model's tokenizer, fp32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-structured")
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (Path(default_model_dir) / name).is_file():
+            shutil.copy(Path(default_model_dir) / name, path / name)
+    return str(path)
+
+
+def make_llm(model, backend="xgrammar", **settings):
+    from paged.core.frontend.llm import LLM
+
+    kw = dict(device="cpu", attention="torch", max_model_len=512, num_kv_blocks=64, max_num_seqs=8)
+    kw.update(settings)
+    return LLM(model, structured_output={"backend": backend}, **kw)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def llm(request, tiny_model):
+    llm = make_llm(tiny_model, request.param)
+    yield llm
+    llm.shutdown()
+
+
+def allowed_tokens(matcher) -> set[int]:
+    bitmask = torch.zeros(1, 49152 // 32, dtype=torch.int32)
+    matcher.fill_bitmask(bitmask, 0)
+    bits = (bitmask[0][:, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    return set(bits.flatten().nonzero().flatten().tolist())
+
+
+# --- backends against brute force ----------------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_choice_mask_is_exactly_the_tokens_that_start_a_choice(backends, tokenizer, backend):
+    choices = ["yes", "no", "maybe so"]
+    matcher = backends[backend].matcher(backends[backend].compile(SO(choice=choices)))
+    text = {t: tokenizer.decode([t]) for t in range(len(tokenizer))}
+    expected = {t for t, s in text.items() if s and any(c.startswith(s) for c in choices) and t not in tokenizer.all_special_ids}
+    assert allowed_tokens(matcher) == expected
+    # after "may": only the tokens that continue "be so" (brute force again)
+    for t in tokenizer("may", add_special_tokens=False)["input_ids"]:
+        assert matcher.accept_token(t)
+    expected = {t for t, s in text.items() if s and "be so".startswith(s) and t not in tokenizer.all_special_ids}
+    if backend == "xgrammar":
+        assert allowed_tokens(matcher) == expected
+    else:  # llguidance allows only the canonical tokens of a forced continuation ("be", not "b")
+        assert allowed_tokens(matcher) and allowed_tokens(matcher) <= expected
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matcher_accepts_valid_json_refuses_invalid_and_rolls_back(backends, tokenizer, backend):
+    b = backends[backend]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}}, "required": ["a", "b"]}
+    matcher = b.matcher(b.compile(SO(json_schema=schema)))
+    ids = tokenizer(json.dumps({"a": 12, "b": "y"}), add_special_tokens=False)["input_ids"]
+    masks = []
+    for t in ids:
+        masks.append(allowed_tokens(matcher))
+        assert t in masks[-1]
+        assert matcher.accept_token(t)
+    assert allowed_tokens(matcher) == {tokenizer.eos_token_id}  # complete: only EOS is left
+    matcher.rollback(3)
+    assert allowed_tokens(matcher) == masks[-3]
+    wrong = tokenizer('"z"', add_special_tokens=False)["input_ids"][0]
+    assert wrong not in masks[-3] and not matcher.accept_token(wrong)
+    matcher.reset()
+    assert allowed_tokens(matcher) == masks[0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_constraints_are_value_errors_naming_the_field(backend):
+    from paged.core.registry import get_registry
+
+    spec = get_registry().structured_output_backend(backend)
+    for params, field in [(SO(regex="(ab"), "regex"), (SO(json_schema={"type": "nonsense"}), "json_schema")]:
+        with pytest.raises(ValueError, match=rf"structured_output\.{field}"):
+            spec.validate(params, None)
+
+
+def test_params_validation_and_wire_round_trip():
+    with pytest.raises(InvalidRequestError, match="exactly one of"):
+        SO(regex="a", choice=["b"])
+    with pytest.raises(InvalidRequestError, match="exactly one of"):
+        SO()
+    with pytest.raises(InvalidRequestError, match="structured_output.choice"):
+        SO(choice=[])
+    with pytest.raises(InvalidRequestError, match="min_tokens"):
+        SamplingParams(min_tokens=2, structured_output={"regex": "a+"})
+    with pytest.raises(InvalidRequestError, match="unknown field"):
+        SamplingParams(structured_output={"json": {}})
+    from paged.core.ipc.engine_core_proc import AddRequest, make_encoder, request_decoder
+
+    params = SamplingParams(structured_output={"json_schema": {"type": "object", "properties": {"x": {"type": "string"}}}})
+    wire = make_encoder().encode(AddRequest("r", [1, 2], params, 0.0))
+    back = request_decoder().decode(wire)
+    assert back.sampling_params.structured_output == params.structured_output
+    assert SO(json_schema={"b": 1, "a": 2}).cache_key() == SO(json_schema={"a": 2, "b": 1}).cache_key()
+
+
+# --- the sampler's batched mask ------------------------------------------------------------------
+class _Req:
+    def __init__(self, rid, params, grammar=None):
+        self.request_id, self.sampling_params, self.grammar = rid, params, grammar
+        self.output_token_ids, self.all_token_ids, self.eos_token_id = [], [1], 2
+
+
+def test_sampler_masks_constrained_rows_only_and_composes_with_sampling(backends):
+    from paged.core.engine.sampler import Sampler
+
+    b = backends["xgrammar"]
+    compiled = b.compile(SO(choice=["yes", "no"]))
+    torch.manual_seed(1)
+    logits = torch.randn(4, 49152)
+    reqs = [
+        _Req("g0", SamplingParams(temperature=0), b.matcher(compiled)),
+        _Req("u1", SamplingParams(temperature=0)),
+        _Req("s2", SamplingParams(temperature=1.3, top_p=0.9, seed=7, repetition_penalty=1.2), b.matcher(compiled)),
+        _Req("s3", SamplingParams(temperature=0.7, seed=3)),
+    ]
+    allowed = sorted(allowed_tokens(b.matcher(compiled)))
+    out = Sampler(49152, "cpu").sample(logits.clone(), reqs).token_ids
+    # greedy constrained row = argmax over the allowed tokens (brute force)
+    assert out[0] == allowed[int(logits[0, allowed].argmax())]
+    assert out[2] in allowed
+    # unconstrained rows: exactly what they get alone
+    assert out[1] == Sampler(49152, "cpu").sample(logits[1:2].clone(), [reqs[1]]).token_ids[0]
+    assert out[3] == Sampler(49152, "cpu").sample(logits[3:4].clone(), [_Req("s3", reqs[3].sampling_params)]).token_ids[0]
+    # a seeded constrained row is reproducible
+    again = Sampler(49152, "cpu").sample(logits[2:3].clone(), [_Req("s2", reqs[2].sampling_params, b.matcher(compiled))])
+    assert again.token_ids[0] == out[2]
+
+
+# --- the engine ----------------------------------------------------------------------------------
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]},
+                   "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["ok", "color", "n"],
+}  # fmt: skip
+
+
+def test_mixed_batch_unconstrained_get_their_solo_tokens_constrained_valid_and_reproducible(llm):
+    plain = [SamplingParams(temperature=0, max_tokens=10), SamplingParams(temperature=0.9, seed=5, max_tokens=10)]
+    constrained = [
+        SamplingParams(temperature=0, max_tokens=40, structured_output={"json_schema": SCHEMA}),
+        SamplingParams(temperature=0, max_tokens=12, structured_output={"regex": r"[0-9]{2}-[a-c]{3}"}),
+        SamplingParams(temperature=0.8, seed=1, max_tokens=8, structured_output={"choice": ["alpha", "beta", "gamma"]}),
+    ]
+    prompts = ["Hello there", "Once upon a time", "JSON:", "Code:", "Pick:"]
+    mixed = llm.generate(prompts, plain + constrained, use_tqdm=False)
+    for i, params in enumerate(plain):
+        solo = llm.generate([prompts[i]], params, use_tqdm=False)[0].outputs[0]
+        assert mixed[i].outputs[0].token_ids == solo.token_ids
+    text = [o.outputs[0].text for o in mixed]
+    jsonschema.validate(json.loads(text[2]), SCHEMA)
+    assert re.fullmatch(r"[0-9]{2}-[a-c]{3}", text[3])
+    assert text[4] in ("alpha", "beta", "gamma")
+    assert all(o.outputs[0].finish_reason == "stop" for o in mixed[2:])
+    again = llm.generate(prompts[2:], constrained, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in mixed[2:]]
+
+
+def test_grammar_that_cannot_end_in_time_finishes_with_length(llm):
+    out = llm.generate(["Letters:"], SamplingParams(temperature=0, max_tokens=4,
+                                                     structured_output={"regex": "[a-z]{300}"}), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "length"
+    assert re.fullmatch("[a-z]+", out.outputs[0].text) and len(out.outputs[0].token_ids) == 4
+
+
+def test_bad_constraint_is_rejected_before_queueing_and_others_go_on(llm):
+    with pytest.raises(InvalidRequestError, match=r"structured_output\.regex"):
+        llm.generate(["x"], SamplingParams(structured_output={"regex": "(unclosed"}), use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match=r"structured_output\.json_schema"):
+        llm.generate(["x"], SamplingParams(structured_output={"json_schema": {"type": 5}}), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.generate(["Pick:"], SamplingParams(max_tokens=5, structured_output={"choice": ["a1", "b2"]}), use_tqdm=False)
+    assert out[0].outputs[0].text in ("a1", "b2")
+
+
+def test_compile_failure_in_the_core_ends_only_that_request(tiny_model):
+    from paged.core.engine.request import Request
+
+    llm = make_llm(tiny_model)
+    try:
+        core = llm.engine.core
+        # Bypass the front-end's check: the core's compile fails, the request ends with "abort".
+        core.add_request(Request("bad", [1, 2, 3], SamplingParams(structured_output={"regex": "(x"})))
+        core.add_request(Request("good", [1, 2, 3], SamplingParams(temperature=0, max_tokens=3)))
+        finished = {}
+        while core.has_unfinished_requests():
+            for out in core.step():
+                if out.finish_reason:
+                    finished[out.request_id] = out.finish_reason
+        assert finished == {"bad": "abort", "good": "length"}
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_preempted_constrained_requests_replay_to_the_same_tokens(tiny_model, backend):
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_output={"json_schema": SCHEMA}),
+              SamplingParams(temperature=0.7, seed=11, max_tokens=40, structured_output={"json_schema": SCHEMA}),
+              SamplingParams(temperature=0, max_tokens=40, structured_output={"regex": "([a-z]{4} ){6}"})]
+    prompts = [f"Prompt number {i} is long enough to take a few blocks of the cache " * 2 for i in range(3)]
+    roomy = make_llm(tiny_model, backend)
+    try:
+        expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+    finally:
+        roomy.shutdown()
+    tight = make_llm(tiny_model, backend, num_kv_blocks=8, block_size=16)
+    try:
+        outs = tight.generate(prompts, params, use_tqdm=False)
+        assert tight.engine.core.stats.num_preemptions > 0
+    finally:
+        tight.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    for o in outs[:2]:
+        jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
+
+
+def test_paged_run_structured_flags(tiny_model, tmp_path, capsys):
+    from paged.core.cli.main import main
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    common = ["run", "-q", "--json", "--model", tiny_model, "--device", "cpu", "--attention", "torch",
+              "--max-model-len", "256", "--num-kv-blocks", "32", "--max-tokens", "40"]
+    assert main(common + ["--json-schema", str(schema), "JSON:"]) == 0
+    jsonschema.validate(json.loads(json.loads(capsys.readouterr().out)["requests"][0]["text"]), SCHEMA)
+    assert main(common + ["--structured-output-backend", "llguidance", "--choice", "up", "--choice", "down", "Go"]) == 0
+    assert json.loads(capsys.readouterr().out)["requests"][0]["text"] in ("up", "down")
+    assert main(common + ["--regex", "(x", "Hi"]) == 2
+    assert "structured_output.regex" in capsys.readouterr().err
+    assert main(common + ["--regex", "a", "--choice", "b", "Hi"]) == 2
+    assert "at most one of" in capsys.readouterr().err
