@@ -1,4 +1,4 @@
-"""The three extension points of paged.
+"""The extension points of paged.
 
 Each hook is a *registration* hook: it is called once, when plugins are loaded at start-up, and
 returns plain objects (specs) that the core keeps in registries. Nothing here is called per step
@@ -82,3 +82,8 @@ class PagedHookSpecs:
     @hookspec
     def register_models(self) -> list[ModelSpec]:
         """Return the model architectures this plugin provides."""
+
+    @hookspec
+    def register_quantization_methods(self) -> list[Any]:
+        """Return the weight-only quantization methods this plugin provides
+        (``paged.core.quantization.QuantizationMethodSpec``), selected by ``model.quantization``."""

@@ -23,6 +23,7 @@ from typing import Any, Iterable
 import pluggy
 
 from paged.core.errors import ConfigError, PluginError
+from paged.core.quantization import QuantizationMethodSpec
 from paged.core.hookspecs import (
     ENTRY_POINT_GROUP,
     PROJECT,
@@ -39,6 +40,7 @@ _KINDS = {
     "register_policies": ("policies", "name"),
     "register_attention_backends": ("attention_backends", "name"),
     "register_models": ("models", "architecture"),
+    "register_quantization_methods": ("quantization_methods", "name"),
 }
 
 
@@ -71,6 +73,7 @@ class Registry:
     policies: dict[str, PolicySpec] = field(default_factory=dict)
     attention_backends: dict[str, AttentionBackendSpec] = field(default_factory=dict)
     models: dict[str, ModelSpec] = field(default_factory=dict)
+    quantization_methods: dict[str, QuantizationMethodSpec] = field(default_factory=dict)
     owner: dict[tuple[str, str], str] = field(default_factory=dict)  # (kind, name) -> plugin
     plugins: list[PluginInfo] = field(default_factory=list)
 
@@ -98,6 +101,9 @@ class Registry:
 
     def attention_backend(self, name: str) -> AttentionBackendSpec:
         return self._lookup("attention_backends", "attention.backend", name)
+
+    def quantization_method(self, name: str) -> QuantizationMethodSpec:
+        return self._lookup("quantization_methods", "model.quantization", name)
 
     def model(self, architecture: str) -> ModelSpec:
         try:

@@ -34,6 +34,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="an option of the selected policy, e.g. aging_s=5 (repeatable)")
     group.add_argument("--attention-option", action="append", metavar="KEY=VALUE",
                        help="an option of the selected attention backend (repeatable)")
+    group.add_argument("--quantization-option", action="append", metavar="KEY=VALUE",
+                       help="an option of the selected quantization method, e.g. dense_copy=false (repeatable)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -52,6 +54,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     attention_options = parse_key_values(args.attention_option, "attention-option")
     if attention_options:
         overrides.setdefault("attention", {})["options"] = attention_options
+    quantization_options = parse_key_values(getattr(args, "quantization_option", None), "quantization-option")
+    if quantization_options:
+        overrides.setdefault("model", {})["quantization_options"] = quantization_options
     return load_config(args.config_file, overrides)
 
 

@@ -33,6 +33,7 @@ from paged.core.engine.distributed import get_tp, shard_heads
 from paged.core.engine.kv_cache_manager import cdiv
 from paged.core.engine.sampler import Sampler, SamplerOutput
 from paged.core.engine.scheduler import SchedulerOutput
+from paged.core.errors import ConfigError
 
 logger = logging.getLogger("paged")
 
@@ -120,11 +121,13 @@ class ModelRunner:
         self.backend = plugins.attention.factory(self.layout, plugins.attention_options)
         t0 = time.perf_counter()
         self.model = build_model(self.model_dir, self.hf_config, model_spec.factory, self.backend, self.dtype, device)
+        self._quantize(config, registry, device)
         if device.type == "cpu" and self.dtype == torch.bfloat16 and config.model.cpu_prepack_weights:
             from paged.models.layers import prepack_cpu_linears
 
             prepack_cpu_linears(self.model)
         self.load_time_s = time.perf_counter() - t0
+        self._log_weight_memory(config.model.dtype)
         self.vocab_size = int(self.hf_config.vocab_size)
         self.sampler = Sampler(self.vocab_size, device) if self.tp.is_first else None
 
@@ -146,6 +149,27 @@ class ModelRunner:
             self.max_model_len,
             capacity / self.max_model_len,
         )
+
+    def _quantize(self, config: EngineConfig, registry, device: torch.device) -> None:
+        from paged.core.loading.quantize import make_quantizer
+
+        self.quantizer = make_quantizer(config.model, registry, self.model_dir, device, self.dtype)
+        if self.quantizer is None:
+            return
+        if not hasattr(self.model, "quantize_weights"):
+            raise ConfigError(
+                f"model.quantization: the {type(self.model).__name__} implementation has no quantize_weights; "
+                "use model.quantization=none"
+            )
+        count = self.model.quantize_weights(self.quantizer)
+        logger.info("quantized %d weight modules (%s)", count,
+                    ", ".join(f"{n}: {c}" for n, c in sorted(self.quantizer.counts.items())) or "none")
+
+    def _log_weight_memory(self, dtype_setting: str) -> None:
+        measure = getattr(self.model, "weight_bytes", None)
+        self.weight_bytes = int(measure()) if measure else sum(p.numel() * p.element_size() for p in self.model.parameters())
+        logger.info("weights: %.1f MiB held (dtype %s%s)", self.weight_bytes / 2**20,
+                    str(self.dtype).removeprefix("torch."), ", chosen by dtype=auto" if dtype_setting == "auto" else "")
 
     # --- KV cache sizing ----------------------------------------------------------------
     def _determine_num_blocks(self) -> int:
