@@ -10,7 +10,8 @@ One ``schedule()`` per engine step:
    the policy picks a victim among the requests not yet scheduled this step (itself included)
    and that victim is preempted, until the allocation succeeds or the request preempted itself.
 3. *Waiting requests*, in policy order, while budget, ``max_num_seqs`` and blocks allow; a
-   prefix-cache hit skips the cached tokens. Admission stops at the first that does not fit.
+   prefix-cache hit skips the cached tokens. Admission stops at the first that does not fit, or
+   at one displaced in step 1 (it would recompute from zero what it had just computed).
 
 Preemption is by recompute: the victim frees its blocks, goes back to zero computed tokens and
 returns to the waiting queue at its policy position (prefix caching makes the recompute cheap).
@@ -273,12 +274,15 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # Waiting requests, while budget, seats and blocks allow; none after a preemption (blocks
-        # are short: admitting now would only preempt again).
+        # Waiting requests, while budget, seats and blocks allow; none after a preemption in the
+        # running loop (blocks are short: admitting now would only preempt again), and none from a
+        # request displaced this step on (re-admitting it would throw away the tokens it had
+        # computed for a chunk of the same or fewer; what sorts after it must not overtake it).
         preempted_in_running_loop = len(output.preempted_request_ids) > num_displaced
+        displaced = output.preempted_request_ids[:num_displaced]
         while budget > 0 and len(self.running) < self.max_num_seqs and not preempted_in_running_loop:
             request = self.waiting.peek()
-            if request is None:
+            if request is None or (displaced and request.request_id in displaced):
                 break
             # allocate_slots counts the hits on top of num_computed_tokens, which stays 0 until
             # the request is admitted.
