@@ -163,7 +163,7 @@ def _tiny_llama(tmp_path: Path, default_model_dir: str) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                          tie_word_embeddings=True)
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(tmp_path, safe_serialization=True)
@@ -184,8 +184,8 @@ def test_quantized_engine_with_chunked_prefill_preemption_and_prefix_caching(met
 
     model_dir = _tiny_llama(tmp_path, default_model_dir)
     rng = np.random.default_rng(1)
-    shared = rng.integers(100, 40000, 24).tolist()
-    prompts = [shared + rng.integers(100, 40000, n).tolist() for n in (5, 17, 30, 9)]
+    shared = rng.integers(100, 4000, 24).tolist()
+    prompts = [shared + rng.integers(100, 4000, n).tolist() for n in (5, 17, 30, 9)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     common = dict(device="cpu", dtype="float32", attention="torch", quantization=method,
                   quantization_options={"dense_copy": False})
