@@ -17,6 +17,7 @@ throughput against the number of concurrent sequences and writes a PNG.
     python benchmarks/throughput.py --dtype float32
     python benchmarks/throughput.py --dtype bfloat16 --sweep
     python benchmarks/throughput.py --quick          # ~5 min on 2 cores: 16 short prompts
+    python benchmarks/throughput.py --dtype bfloat16 --quantization auto   # GGUF Q4_1 kept as int4 (+ dense copy)
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def phase_paged(args) -> dict:
     kv_gib = max(0.25, 1.2 * total_tokens * _kv_bytes_per_token(args) / 2**30)
     llm = LLM(args.model_dir, device="cpu", dtype=args.dtype, attention=args.attention,
               max_num_seqs=args.batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_memory_gib=kv_gib)
+              kv_cache_memory_gib=kv_gib, quantization=args.quantization)
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outputs]
     llm.generate([prompts[0][:8]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
     start = time.perf_counter()
@@ -137,7 +138,7 @@ def _phase_args(args, phase: str, **over) -> list[str]:
     values = {
         "model-dir": args.model_dir, "dtype": args.dtype, "seed": args.seed, "num-prompts": args.num_prompts,
         "limit": args.num_prompts, "batch-size": 16, "attention": args.attention,
-        "max-num-batched-tokens": args.max_num_batched_tokens,
+        "max-num-batched-tokens": args.max_num_batched_tokens, "quantization": args.quantization,
     }
     values.update({k.replace("_", "-"): v for k, v in over.items()})
     out = ["--phase", phase, "--prompt-range", *map(str, over.pop("prompt_range", args.prompt_range)),
@@ -160,6 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hf-single-prompts", type=int, default=8, help="prompts for (a), one at a time")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--attention", default="torch")
+    parser.add_argument("--quantization", default="none", help="paged only: none, int8, int4, auto (HF stays dense)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--sweep", action="store_true", help="also throughput vs concurrent sequences + PNG")
     parser.add_argument("--sweep-only", action="store_true", help="only the concurrency sweep")
@@ -188,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
         sweep(args, script)
         return
 
-    peak_flops = _bench.measure_matmul_peak(args.dtype)
+    peak_flops = _bench.measure_matmul_peak(args.dtype, hf_config=hf_config)
     bandwidth = _bench.measure_bandwidth()
     a = _bench.run_phase(script, _phase_args(args, "hf", limit=min(args.hf_single_prompts, args.num_prompts), batch_size=1))
     print(f"(a) HF one at a time:  {a['tokens_per_s']:8.1f} tok/s  ({a['output_tokens']} tokens, {a['elapsed_s']:.1f} s, peak RSS {a['peak_rss_mib']:.0f} MiB)", flush=True)
@@ -205,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
 
     flops = _bench.model_flops(hf_config, c["input_tokens"], c["output_tokens"]) / c["elapsed_s"]
     result = {
-        "dtype": args.dtype, "num_prompts": args.num_prompts, "seed": args.seed,
+        "dtype": args.dtype, "quantization": args.quantization, "num_prompts": args.num_prompts, "seed": args.seed,
         "hf_single": a, "hf_static16": b, "paged": c, "paged_16": d, "ids_agreement": agreement,
         "paged_over_hf_single": c["tokens_per_s"] / a["tokens_per_s"],
         "paged_over_hf_static": c["tokens_per_s"] / b["tokens_per_s"],

@@ -43,7 +43,17 @@ class ModelConfig(_Section):
     revision: str | None = Field(None, description="hub revision (branch, tag or commit) of a hub model id")
     tokenizer: str | None = Field(None, description="tokenizer directory (default: the model's)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="weights and activations; auto = the checkpoint's dtype on GPU, float32 on CPU"
+        "auto",
+        description="weights and activations; auto = the checkpoint's dtype on GPU; on CPU bfloat16 where "
+        "the CPU computes it natively (AMX or AVX512-BF16), else float32",
+    )
+    quantization: str = Field(
+        "auto",
+        description="weight-only quantization: none, int8, int4 or a plugin's method (paged plugins lists "
+        "them); auto = keep a GGUF's Q4/Q8 blocks quantized on a bfloat16 CPU, else none",
+    )
+    quantization_options: dict[str, Any] = Field(
+        default_factory=dict, description="the quantization method's typed options"
     )
     max_model_len: int | None = Field(None, gt=0, description="prompt + output limit (default: the model's)")
     cpu_prepack_weights: bool = Field(
@@ -302,7 +312,7 @@ def config_flags() -> list[Flag]:
         section_cls = info.annotation
         if isinstance(section_cls, type) and issubclass(section_cls, BaseModel):
             for fname, finfo in section_cls.model_fields.items():
-                if fname in ("policy_options", "options"):
+                if fname in ("policy_options", "options", "quantization_options"):
                     continue  # set with --policy-option / --attention-option KEY=VALUE
                 flag = FLAG_ALIASES.get((name, fname), fname.replace("_", "-"))
                 flags.append(Flag(flag, name, fname, finfo.annotation, finfo.description or ""))

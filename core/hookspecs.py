@@ -14,7 +14,8 @@ A plugin is a module (found through the ``paged`` entry-point group) that implem
 
 The contracts the specs' factories meet: ``paged.core.policy`` (scheduling policies),
 ``paged.core.attention`` (attention backends), ``paged.core.structured_output`` (grammar
-backends for structured outputs) and ``paged.core.model`` (model architectures;
+backends for structured outputs), ``paged.core.quantization`` (weight-only quantization
+methods) and ``paged.core.model`` (model architectures;
 ``AttentionShape``, ``CausalLM`` and ``ModelClass`` are re-exported here). A model plugin builds
 its layers from ``paged.models.layers`` (tensor-parallel linears, embeddings, norms, rotary,
 attention) and loads its checkpoint with ``paged.core.loading.weights.load_checkpoint``;
@@ -123,3 +124,8 @@ class PagedHookSpecs:
     @hookspec
     def register_structured_output_backends(self) -> list[StructuredOutputBackendSpec]:
         """Return the structured-output (grammar) backends this plugin provides."""
+
+    @hookspec
+    def register_quantization_methods(self) -> list[Any]:
+        """Return the weight-only quantization methods this plugin provides
+        (``paged.core.quantization.QuantizationMethodSpec``), selected by ``model.quantization``."""

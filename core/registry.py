@@ -26,6 +26,7 @@ from typing import Any, Iterable
 import pluggy
 
 from paged.core.errors import ConfigError, PluginError
+from paged.core.quantization import QuantizationMethodSpec
 from paged.core.hookspecs import (
     ENTRY_POINT_GROUP,
     PROJECT,
@@ -44,6 +45,7 @@ _KINDS = {
     "register_attention_backends": ("attention_backends", "name"),
     "register_models": ("models", "architecture"),
     "register_structured_output_backends": ("structured_output_backends", "name"),
+    "register_quantization_methods": ("quantization_methods", "name"),
 }
 
 
@@ -81,6 +83,7 @@ class Registry:
     attention_backends: dict[str, AttentionBackendSpec] = field(default_factory=dict)
     models: dict[str, ModelSpec] = field(default_factory=dict)
     structured_output_backends: dict[str, StructuredOutputBackendSpec] = field(default_factory=dict)
+    quantization_methods: dict[str, QuantizationMethodSpec] = field(default_factory=dict)
     owner: dict[tuple[str, str], str] = field(default_factory=dict)  # (kind, name) -> plugin
     plugins: list[PluginInfo] = field(default_factory=list)
     # (kind, name) -> every plugin registering it; such names are not in the tables above
@@ -120,6 +123,8 @@ class Registry:
 
     def structured_output_backend(self, name: str) -> StructuredOutputBackendSpec:
         return self._lookup("structured_output_backends", "structured_output.backend", name)
+    def quantization_method(self, name: str) -> QuantizationMethodSpec:
+        return self._lookup("quantization_methods", "model.quantization", name)
 
     def model(self, architecture: str) -> ModelSpec:
         try:

@@ -16,7 +16,7 @@ vocabulary. Each parameterised module says which slice of which checkpoint tenso
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,7 @@ from torch import nn
 from paged.core.engine.distributed import HeadShard, get_tp, shard_heads, shard_range
 from paged.core.errors import ModelLoadError
 from paged.core.loading.weights import CheckpointSlice, whole_parameters  # re-exported: public here too
+from paged.core.quantization import QuantizedWeight
 from paged.core.utils import cdiv
 
 # ---- parameters without initialisation ------------------------------------------------------
@@ -40,9 +41,14 @@ def _with_dim(shape: torch.Size, dim: int, size: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, packed_weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x W^T (+ b)``, through the oneDNN-packed copy of ``W`` when there is one
-    (``prepack_cpu_linears``)."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, packed_weight: torch.Tensor | None, bias: torch.Tensor | None,
+    qweight: QuantizedWeight | None = None,
+) -> torch.Tensor:
+    """``x W^T (+ b)``, through the quantized weight when there is one (``quantize_weights``),
+    else the oneDNN-packed copy of ``W`` when there is one (``prepack_cpu_linears``)."""
+    if qweight is not None:
+        return qweight.linear(x, bias)
     if packed_weight is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -71,12 +77,13 @@ class Linear(nn.Module):
             self.register_parameter("bias", None)
 
     packed_weight: torch.Tensor | None = None  # set by prepack_cpu_linears
+    qweight: QuantizedWeight | None = None  # set by quantize_weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._linear(x, self.bias)
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return linear(x, self.weight, self.packed_weight, bias)
+        return linear(x, self.weight, self.packed_weight, bias, self.qweight)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -146,11 +153,16 @@ class VocabParallelEmbedding(nn.Module):
             with torch.no_grad():
                 self.weight[self.vocab_end - self.vocab_start :].zero_()
 
+    qweight: QuantizedWeight | None = None  # set by quantize_weights
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight) if self.qweight is None else self.qweight.embedding(ids)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
-        local = F.embedding((input_ids - self.vocab_start).masked_fill_(outside, 0), self.weight)
+        local = self._lookup((input_ids - self.vocab_start).masked_fill_(outside, 0))
         return self.tp.all_reduce(local.masked_fill_(outside.unsqueeze(-1), 0))
 
     def checkpoint_slices(self, name: str) -> dict[str, CheckpointSlice]:
@@ -171,7 +183,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits ``[N, vocab]`` on rank 0; None on the other ranks."""
-        logits = self.tp.gather_last_dim(linear(hidden_states, self.weight, self.packed_weight, None))
+        logits = self.tp.gather_last_dim(linear(hidden_states, self.weight, self.packed_weight, None, self.qweight))
         return None if logits is None else logits[:, : self.num_embeddings].float()
 
 
@@ -191,12 +203,64 @@ def prepack_cpu_linears(model: nn.Module) -> int:
     packed = 0
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, (Linear, ParallelLMHead)):
+            if isinstance(module, (Linear, ParallelLMHead)) and module.qweight is None:
                 module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
                 if users[id(module.weight)] == 1:
                     module.weight.data = torch.empty(0, dtype=module.weight.dtype)  # only the packed copy is used
                 packed += 1
     return packed
+
+
+def _weight_users(model: nn.Module) -> dict[int, int]:
+    users: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            users[id(p)] = users.get(id(p), 0) + 1
+    return users
+
+
+def quantize_weights(model: nn.Module, quantizer: Callable[[torch.Tensor, dict[str, CheckpointSlice]], QuantizedWeight | None]) -> int:
+    """Replace the weight of every linear layer, the LM head and the embedding by
+    ``quantizer(weight, checkpoint_slices)`` where it returns one (``paged.core.loading.quantize``);
+    a weight shared by two modules (tied embedding and head) is quantized once. The dense
+    weight is released afterwards. Returns the number of modules quantized."""
+    done: dict[int, QuantizedWeight] = {}
+    count = 0
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if not isinstance(module, (Linear, VocabParallelEmbedding)) or module.weight.device.type == "meta":
+                continue
+            key = id(module.weight)
+            if key not in done:
+                slices = module.checkpoint_slices(name) if hasattr(module, "checkpoint_slices") else whole_parameters(name, module)
+                quantized = quantizer(module.weight.detach(), {n: s for n, s in slices.items() if s.param is module.weight})
+                if quantized is None:
+                    continue
+                done[key] = quantized
+            module.qweight = done[key]
+            count += 1
+        for module in model.modules():
+            if isinstance(module, (Linear, VocabParallelEmbedding)) and id(module.weight) in done:
+                module.weight.data = torch.empty(0, dtype=module.weight.dtype)  # only the quantized copy is used
+    return count
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the weights as held: dense parameters, packed copies and quantized weights
+    (each shared object counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        items = [*module.parameters(recurse=False), getattr(module, "packed_weight", None), getattr(module, "qweight", None)]
+        for item in items:
+            if item is None or id(item) in seen:
+                continue
+            seen.add(id(item))
+            if isinstance(item, torch.Tensor):
+                total += item.numel() * item.element_size() if item.device.type != "meta" else 0
+            else:
+                total += item.nbytes()
+    return total
 
 
 # ---- RMSNorm ---------------------------------------------------------------------------------

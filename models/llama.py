@@ -33,7 +33,9 @@ from paged.models.layers import (
     RotaryEmbedding,
     VocabParallelEmbedding,
     prepack_cpu_linears,
+    quantize_weights,
     rope_settings,
+    weight_bytes,
 )
 
 
@@ -183,6 +185,15 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden_states)
+
+    def quantize_weights(self, quantizer: Any) -> int:
+        """Quantize the linear layers, LM head and embedding after loading
+        (``paged.models.layers.quantize_weights``); returns the number of modules quantized."""
+        return quantize_weights(self, quantizer)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights as held (dense, packed and quantized)."""
+        return weight_bytes(self)
 
     # ---- weights ---------------------------------------------------------------------------------
 

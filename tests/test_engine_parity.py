@@ -34,7 +34,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", CASES)
 def test_greedy_ids_equal_hf(case, default_model_dir, hf_greedy):
-    llm = LLM(default_model_dir, device="cpu", attention="torch", **CASES[case])
+    llm = LLM(default_model_dir, device="cpu", dtype="float32", attention="torch", **CASES[case])  # exact HF float32 parity
     tokenizer = llm.tokenizer
     prompts = list(PROMPTS)
     # Shared prefixes so the prefix cache has something to hit.

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def llm(default_model_dir):
-    return LLM(default_model_dir, device="cpu", attention="torch", max_num_seqs=16, num_kv_blocks=400)
+    return LLM(default_model_dir, device="cpu", dtype="float32", attention="torch", max_num_seqs=16, num_kv_blocks=400)
 
 
 def test_chat_answers_paris(llm):

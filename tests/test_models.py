@@ -312,7 +312,8 @@ def test_attention_shape_and_dtype(hf_models):
     assert attention_shape(cfg) == (2, 4, 2, 32)  # head_dim from the config, not 64 // 4
     cfg = loader.load_hf_config(hf_models["qwen2"][1])
     assert attention_shape(cfg) == (2, 4, 2, 16)
-    assert loader.get_dtype("auto", cfg, "cpu") == torch.float32
+    native_bf16 = loader.cpu_has_native_bf16()
+    assert loader.get_dtype("auto", cfg, "cpu") == (torch.bfloat16 if native_bf16 else torch.float32)
     assert loader.get_dtype("bfloat16", cfg, "cpu") == torch.bfloat16
     cfg.dtype = torch.float16
     assert loader.get_dtype("auto", cfg, "cuda") == torch.float16

@@ -151,7 +151,7 @@ def server(default_model_dir, tmp_path_factory):
 def offline(default_model_dir):
     from paged import LLM
 
-    llm = LLM(default_model_dir, device="cpu", attention="torch", num_kv_blocks=NUM_BLOCKS,
+    llm = LLM(default_model_dir, device="cpu", dtype="float32", attention="torch", num_kv_blocks=NUM_BLOCKS,
               max_model_len=MAX_MODEL_LEN)
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     completions = [o.outputs[0].text for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]

@@ -78,7 +78,7 @@ def one_core(default_model_dir):
     """Greedy outputs of the offline engine (one core) for PROMPTS."""
     from paged import LLM
 
-    llm = LLM(default_model_dir, device="cpu", attention="torch", num_kv_blocks=NUM_BLOCKS,
+    llm = LLM(default_model_dir, device="cpu", dtype="float32", attention="torch", num_kv_blocks=NUM_BLOCKS,
               max_model_len=MAX_MODEL_LEN)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
     return {p: o.outputs[0].text for p, o in zip(PROMPTS, outs)}

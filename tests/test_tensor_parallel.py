@@ -199,7 +199,7 @@ def test_tiny_models_several_ranks_match_one(name, tp, tmp_path_factory, default
     model_dir = _tiny_model(name, tmp_path_factory, default_model_dir)
     prompts = ["The capital of France is", "def fibonacci(n):", "The capital of France is a city of"]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
-    settings = dict(device="cpu", block_size=4, max_num_batched_tokens=12, long_prefill_token_threshold=5)
+    settings = dict(device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=12, long_prefill_token_threshold=5)
     results = {}
     for size in (1, tp):
         with LLM(str(model_dir), tensor_parallel_size=size, **settings) as llm:

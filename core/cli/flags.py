@@ -97,6 +97,8 @@ def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("
                        help="an option of the selected attention backend (repeatable)")
     group.add_argument("--structured-output-option", action="append", metavar="KEY=VALUE",
                        help="an option of the selected structured-output backend (repeatable)")
+    group.add_argument("--quantization-option", action="append", metavar="KEY=VALUE",
+                       help="an option of the selected quantization method, e.g. dense_copy=false (repeatable)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -118,6 +120,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     structured_options = parse_key_values(getattr(args, "structured_output_option", None), "structured-output-option")
     if structured_options:
         overrides.setdefault("structured_output", {})["options"] = structured_options
+    quantization_options = parse_key_values(getattr(args, "quantization_option", None), "quantization-option")
+    if quantization_options:
+        overrides.setdefault("model", {})["quantization_options"] = quantization_options
     return load_config(args.config_file, overrides)
 
 

@@ -71,7 +71,7 @@ class EngineCore:
             "device %s, attention backend %r, policy %r", self.device, self.plugins.attention.name, self.plugins.policy.name
         )
         try:
-            self.runner = ModelRunner(config, self.plugins, self.model_config, self.device)
+            self.runner = ModelRunner(config, self.plugins, self.model_config, self.device, registry)
         except BaseException:
             if self.tp_ranks is not None:
                 self.tp_ranks.abort()  # the other ranks may be inside a collective: no stop broadcast

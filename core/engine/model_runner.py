@@ -88,10 +88,11 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, plugins: ResolvedPlugins, model: ResolvedModel, device: torch.device) -> None:
+    def __init__(self, config: EngineConfig, plugins: ResolvedPlugins, model: ResolvedModel, device: torch.device,
+                 registry=None) -> None:
         """Build this rank's share of ``model`` (resolved beforehand, see
-        ``paged.core.loading.model_config``) around the attention backend, then size and
-        allocate the KV cache."""
+        ``paged.core.loading.model_config``) around the attention backend, quantize its weights
+        (``model.quantization``, methods from ``registry``), then size and allocate the KV cache."""
         self.config = config
         self.device = device
         self.model_config = model
@@ -109,9 +110,11 @@ class ModelRunner:
         )
         self.backend = plugins.attention.factory(self.layout, plugins.attention_options)
         self.model = build_model(model.model_dir, model.hf_config, model.spec.factory, self.backend, self.dtype, device)
+        self._quantize(config, registry, device)
         prepack = getattr(self.model, "prepack_weights", None)
         if prepack is not None and device.type == "cpu" and self.dtype == torch.bfloat16 and config.model.cpu_prepack_weights:
             prepack()
+        self._log_weight_memory(config.model.dtype)
         self.sampler = Sampler(self.vocab_size, device) if self.tp.is_first else None
 
         self.num_blocks = self._agree_on_num_blocks(self._determine_num_blocks())
@@ -132,6 +135,31 @@ class ModelRunner:
             self.max_model_len,
             capacity / self.max_model_len,
         )
+
+    def _quantize(self, config: EngineConfig, registry, device: torch.device) -> None:
+        from paged.core.loading.quantize import make_quantizer
+
+        if registry is None:
+            from paged.core.registry import get_registry
+
+            registry = get_registry()
+        self.quantizer = make_quantizer(config.model, registry, self.model_config.model_dir, device, self.dtype)
+        if self.quantizer is None:
+            return
+        if not hasattr(self.model, "quantize_weights"):
+            raise ConfigError(
+                f"model.quantization: the {type(self.model).__name__} implementation has no quantize_weights; "
+                "use model.quantization=none"
+            )
+        count = self.model.quantize_weights(self.quantizer)
+        logger.info("quantized %d weight modules (%s)", count,
+                    ", ".join(f"{n}: {c}" for n, c in sorted(self.quantizer.counts.items())) or "none")
+
+    def _log_weight_memory(self, dtype_setting: str) -> None:
+        measure = getattr(self.model, "weight_bytes", None)
+        self.weight_bytes = int(measure()) if measure else sum(p.numel() * p.element_size() for p in self.model.parameters())
+        logger.info("weights: %.1f MiB held (dtype %s%s)", self.weight_bytes / 2**20,
+                    str(self.dtype).removeprefix("torch."), ", chosen by dtype=auto" if dtype_setting == "auto" else "")
 
     # --- KV cache sizing ----------------------------------------------------------------
     def _determine_num_blocks(self) -> int:

@@ -190,7 +190,7 @@ def run_worker(config: EngineConfig, rank: int, size: int, master_addr: str, mas
     try:
         registry = get_registry()
         model = resolve_model(config, registry, device)  # this process's own copy of rank 0's resolution
-        runner = ModelRunner(config, resolve_plugins(config, registry, device.type), model, device)
+        runner = ModelRunner(config, resolve_plugins(config, registry, device.type), model, device, registry)
         logger.info("rank %d/%d ready on %s", rank, size, device)
         runner.run_worker_loop()
     finally:

@@ -23,6 +23,7 @@ def settings_to_overrides(settings: dict[str, Any]) -> dict[str, Any]:
     by_name["policy_options"] = Flag("policy-options", "scheduler", "policy_options", dict, "")
     by_name["attention_options"] = Flag("attention-options", "attention", "options", dict, "")
     by_name["structured_output_options"] = Flag("structured-output-options", "structured_output", "options", dict, "")
+    by_name["quantization_options"] = Flag("quantization-options", "model", "quantization_options", dict, "")
     sections = {n for n, f in EngineConfig.model_fields.items() if n != "device"}
     out: dict[str, Any] = {}
     for key, value in settings.items():

