@@ -45,7 +45,7 @@ token lists the mechanism mutates or to the block table. Fields: ``request_id``,
 (the tokens the prefix cache holds for it now: for waiting requests, when the policy sets
 ``uses_prefix_hits = True``, refreshed before each dynamic re-key), ``arrival_time``,
 ``priority``, ``tenant``, ``deadline`` (absolute, scheduler clock; None = none), ``max_tokens``,
-``is_running``, ``num_preemptions``, ``num_service_tokens`` (tokens computed for it so far,
+``is_running``, ``is_finished``, ``num_preemptions``, ``num_service_tokens`` (tokens computed for it so far,
 recomputation included) and ``service_s(now)`` (seconds it has spent running).
 
 Invariants a policy cannot break whatever it returns: the token budget, ``max_num_seqs``, block
@@ -92,6 +92,10 @@ class RequestView:
     num_preemptions = property(lambda self: self._request.num_preemptions)
     num_service_tokens = property(lambda self: self._request.num_service_tokens)
     sort_key = property(lambda self: self._request.sort_key)
+
+    @property
+    def is_finished(self) -> bool:
+        return self._request.status.finished
 
     @property
     def is_running(self) -> bool:
@@ -153,6 +157,7 @@ class StepStats:
     tokens) for each scheduled request."""
 
     now: float
+    token_budget: int  # max_num_batched_tokens
     num_running: int
     num_waiting: int
     num_prefill_tokens: int

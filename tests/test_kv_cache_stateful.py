@@ -16,12 +16,30 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from paged.core.engine.block_pool import hash_block_tokens
-from paged.core.errors import InvalidRequestError
+from paged.core.errors import InvalidRequestError, RequestRejectedError
 from paged.core.engine.kv_cache_manager import KVCacheManager, cdiv
 from paged.core.engine.request import Request, RequestStatus
 from paged.core.sampling_params import SamplingParams
 from paged.core.engine.scheduler import Scheduler
+from paged.plugins.cache_aware import CacheAwarePolicy
+from paged.plugins.fair import FairOptions, FairPolicy
 from paged.plugins.policies import FCFSPolicy, PriorityOptions, PriorityPolicy
+from paged.plugins.slo import SLOOptions, SLOPolicy
+from paged.plugins.srpt import SRPTOptions, SRPTPolicy
+from adversarial_policy import AdversarialPolicy
+
+# Every bundled policy, some with options that exercise more of the contract, and a policy whose
+# every decision is random: none may break an invariant.
+POLICIES = {
+    "fcfs": FCFSPolicy,
+    "priority": PriorityPolicy,
+    "priority-aging": lambda: PriorityPolicy(PriorityOptions(aging_s=3.0)),
+    "srpt": lambda: SRPTPolicy(SRPTOptions(aging_tokens_per_s=0.5, preemptive=True)),
+    "fair": lambda: FairPolicy(FairOptions(decode_weight=3.0)),
+    "cache-aware": CacheAwarePolicy,
+    "slo": lambda: SLOPolicy(SLOOptions(initial_step_time_s=0.3)),
+    "slo-defer": lambda: SLOPolicy(SLOOptions(initial_step_time_s=0.3, action="defer")),
+}
 
 ALPHABET = st.integers(0, 2)  # small, so prompts share prefixes
 EOS = 0
@@ -33,23 +51,20 @@ class KVCacheMachine(RuleBasedStateMachine):
         num_blocks=st.integers(3, 14),
         block_size=st.integers(2, 4),
         caching=st.booleans(),
-        policy=st.sampled_from(["fcfs", "priority", "priority-aging"]),
+        policy=st.sampled_from([*POLICIES, "adversarial", "adversarial"]),
+        seed=st.integers(0, 2**16),
         max_num_seqs=st.integers(1, 4),
         max_num_batched_tokens=st.integers(1, 12),
         threshold=st.sampled_from([0, 0, 2, 3]),
         max_model_len=st.integers(4, 24),
         chunked=st.sampled_from([True, True, True, False]),
     )
-    def setup(self, num_blocks, block_size, caching, policy, max_num_seqs, max_num_batched_tokens, threshold, max_model_len, chunked):
+    def setup(self, num_blocks, block_size, caching, policy, seed, max_num_seqs, max_num_batched_tokens, threshold, max_model_len, chunked):
         if not chunked:  # whole prompts only: the budget must hold the longest sequence
             max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
             threshold = 0
-        if policy == "fcfs":
-            pol = FCFSPolicy()
-        elif policy == "priority":
-            pol = PriorityPolicy()
-        else:
-            pol = PriorityPolicy(PriorityOptions(aging_s=3.0))
+        pol = AdversarialPolicy(seed) if policy == "adversarial" else POLICIES[policy]()
+        self.policy = pol
         self.kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
         self.bs = block_size
         self.sched = Scheduler(
@@ -60,6 +75,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             max_model_len=max_model_len,
             long_prefill_token_threshold=threshold,
             enable_chunked_prefill=chunked,
+            clock=lambda: self.clock,
         )
         self.contents: dict[int, dict[int, int]] = {}  # block id -> offset -> token
         self.clock = 0.0
@@ -78,8 +94,10 @@ class KVCacheMachine(RuleBasedStateMachine):
         salt=st.sampled_from([None, None, "s"]),
         ignore_eos=st.booleans(),
         stop_token=st.sampled_from([None, 2]),
+        tenant=st.sampled_from([None, "a", "b"]),
+        deadline=st.sampled_from([None, 0.5, 3.0, 50.0]),
     )
-    def add(self, rid, prompt, max_tokens, min_tokens, priority, salt, ignore_eos, stop_token):
+    def add(self, rid, prompt, max_tokens, min_tokens, priority, salt, ignore_eos, stop_token, tenant, deadline):
         self.clock += 1.0
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -96,6 +114,8 @@ class KVCacheMachine(RuleBasedStateMachine):
             cache_salt=salt,
             eos_token_id=EOS,
             max_tokens=max_tokens,
+            tenant=tenant,
+            deadline=None if deadline is None else self.clock + deadline,
         )
         total = len(prompt) + max_tokens
         too_long = total > self.sched.max_model_len
@@ -107,12 +127,18 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert in_use or too_long or too_big, str(e)
             assert rid in str(e) if in_use else str(total) in str(e)
             return
+        except RequestRejectedError as e:
+            # Only admission control turns requests away, with a reason and 429/503.
+            assert isinstance(self.policy, (AdversarialPolicy, SLOPolicy)) and str(e) and e.http_status in (429, 503)
+            assert rid not in self.sched.requests or in_use
+            return
         assert not (in_use or too_long or too_big)
         self.ended.discard(rid)
         assert request.status == RequestStatus.WAITING
 
     @rule(data=st.data())
     def step(self, data):
+        self.clock += 0.25
         output = self.sched.schedule()
         self._check_output(output)
         # The model writes the K/V of every scheduled token.
@@ -167,6 +193,11 @@ class KVCacheMachine(RuleBasedStateMachine):
         ids = [s.request.request_id for s in output.scheduled]
         assert len(ids) == len(set(ids))
         assert not set(ids) & set(output.preempted_request_ids), "preempted and scheduled in one step"
+        for r in output.rejected:
+            assert r.status == RequestStatus.FINISHED_REJECTED and r.reject_reason
+            assert r.request_id not in sched.requests and not self.kv.block_tables.get(r.request_id)
+            assert r.first_scheduled_time is None, "a request is only rejected before it first runs"
+            self.ended.add(r.request_id)
         for s in output.scheduled:
             r = s.request
             assert r.status == RequestStatus.RUNNING and r in sched.running
@@ -287,15 +318,20 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert len({b.block_id for t in kv.block_tables.values() for b in t}) <= kv.num_blocks
         if not sched.requests:
             assert pool.get_num_free_blocks() == pool.num_blocks
+        if isinstance(self.policy, AdversarialPolicy):  # the views it was given are read-only
+            assert self.policy.mutation_errors == self.policy.mutation_attempts
 
     def teardown(self):
         if not hasattr(self, "kv"):
             return
         # Liveness: everything admitted runs to completion (the model keeps producing tokens).
+        if isinstance(self.policy, AdversarialPolicy):
+            self.policy.calm = True  # a policy that defers forever starves by its own choice
         steps = 0
         while self.sched.has_unfinished_requests():
             steps += 1
             assert steps <= MAX_DRAIN_STEPS, "scheduler made no progress"
+            self.clock += 0.25
             output = self.sched.schedule()
             self._check_output(output)
             for s in output.scheduled:

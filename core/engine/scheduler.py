@@ -237,8 +237,9 @@ class Scheduler:
         self.waiting.rekey(lambda r: key(r.view, now))
 
     def _budget_split(self, now: float) -> tuple[int | None, int]:
-        """(prefill token cap or None, chunk cap or 0) for this step, the policy's split clamped
-        so that prefill always gets at least one token (liveness)."""
+        """(prefill token cap or None, chunk cap or 0) for this step: the policy's split, clamped
+        so that prefill always gets at least one token (liveness) and no chunk exceeds
+        long_prefill_token_threshold."""
         threshold = self.long_prefill_token_threshold
         if self._split_budget is None or not self.enable_chunked_prefill:
             return None, threshold
@@ -251,7 +252,10 @@ class Scheduler:
         prefill = split.prefill_tokens
         if prefill is not None:
             prefill = max(1, min(int(prefill), self.max_num_batched_tokens))
-        chunk = threshold if split.chunk_tokens is None else max(1, int(split.chunk_tokens))
+        chunk = threshold
+        if split.chunk_tokens is not None:  # the operator's threshold stays an upper bound
+            chunk = max(1, int(split.chunk_tokens))
+            chunk = min(chunk, threshold) if threshold else chunk
         return prefill, chunk
 
     def _displace(self, output: SchedulerOutput) -> None:
@@ -337,6 +341,10 @@ class Scheduler:
             request = self.waiting.peek()
             if request is None:
                 break
+            if request.status == RequestStatus.PREEMPTED and request.request_id in output.preempted_request_ids:
+                # Displaced this step: it must not come back in the same step.
+                deferred.append(self.waiting.pop())
+                continue
             if self._admit is not None and request.first_scheduled_time is None:
                 decision = self._admit(request.view, now)
                 if isinstance(decision, Admission) and decision.decision == "reject":
@@ -393,7 +401,7 @@ class Scheduler:
             else:
                 scheduled.append((request.view, s.num_new_tokens, 0))
                 num_prefill += s.num_new_tokens
-        return StepStats(now, len(self.running), len(self.waiting), num_prefill, num_decode,
+        return StepStats(now, self.max_num_batched_tokens, len(self.running), len(self.waiting), num_prefill, num_decode,
                          len(output.preempted_request_ids), num_deferred, len(output.rejected),
                          self.kv.usage, tuple(scheduled))  # fmt: skip
 
