@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Sequence
 
-from paged.core.lab.replay import ReplayResult, RequestRecord
+from paged.core.lab.records import ReplayResult, RequestRecord
 
 
 def _stats(values: Sequence[float]) -> dict[str, float | None]:
