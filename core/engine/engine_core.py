@@ -38,7 +38,7 @@ class ModelInfo:
 class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "rejected" (by the policy, no tokens)
     stop_token_id: int | None = None
     logprobs: list = field(default_factory=list)  # TokenLogprobs per new token, when asked for
     arrival_time: float = 0.0
@@ -146,6 +146,9 @@ class EngineCore:
                     num_preemptions=request.num_preemptions,
                 )
             )
+        for request in scheduler_output.rejected:  # turned away by the policy before running
+            outputs.append(EngineCoreOutput(request.request_id, [], finish_reason=request.status.finish_reason,
+                                            arrival_time=request.arrival_time, finished_time=request.finished_time))  # fmt: skip
         return outputs
 
     def shutdown(self) -> None:

@@ -6,7 +6,7 @@ import hashlib
 import time
 from typing import Sequence
 
-from paged.core.errors import ConfigError, PagedError
+from paged.core.errors import ConfigError, PagedError, RequestRejectedError
 from paged.core.engine.request import Request
 from paged.core.lab.cost import CostModel, batch_shape
 from paged.core.lab.records import LabRequest, ReplayResult, RequestRecord, StepRecord
@@ -25,7 +25,12 @@ def run_replay(requests: Sequence[LabRequest], executor, *, cost: CostModel | No
             executor.check(request)
         except PagedError as e:
             raise PagedError(f"trace request {request.id!r} cannot be replayed: {e}") from None
-    records = {r.id: RequestRecord(r.id, r.priority, r.arrival, len(r.prompt_token_ids), r.output_len) for r in requests}
+    records = {
+        r.id: RequestRecord(r.id, r.priority, r.arrival, len(r.prompt_token_ids), r.output_len, tenant=r.tenant,
+                            deadline_s=r.deadline_s)
+        for r in requests
+    }  # fmt: skip
+    last_arrival = requests[-1].arrival if requests else 0.0
     live: dict[str, tuple[Request, RequestRecord]] = {}
     steps: list[StepRecord] = []
     digest = hashlib.sha256()
@@ -38,9 +43,13 @@ def run_replay(requests: Sequence[LabRequest], executor, *, cost: CostModel | No
     while i < n or executor.busy():
         if mode == "wall":
             now = perf() - wall_t0
+        executor.now = now
         while i < n and requests[i].arrival <= now:
-            core = executor.add(requests[i])
-            live[requests[i].id] = (core, records[requests[i].id])
+            try:
+                core = executor.add(requests[i])
+                live[requests[i].id] = (core, records[requests[i].id])
+            except RequestRejectedError as e:
+                records[requests[i].id].rejected = str(e)
             i += 1
         if not executor.busy():
             if i >= n:
@@ -55,6 +64,7 @@ def run_replay(requests: Sequence[LabRequest], executor, *, cost: CostModel | No
         # Back to back steps touch (in wall mode the bookkeeping between them counts to the next).
         t_start = now if last_end is None else last_end
         w0, c0 = perf(), cpu()
+        executor.now = t_start
         out, (running, waiting, kv_usage) = executor.step()
         w1, c1 = perf(), cpu()
         shape = batch_shape(out)
@@ -65,6 +75,10 @@ def run_replay(requests: Sequence[LabRequest], executor, *, cost: CostModel | No
         else:
             now += cost.predict(shape)
         finished = 0
+        for rejected in getattr(out, "rejected", ()):
+            entry = live.pop(rejected.request_id, None)
+            if entry is not None and entry[0] is rejected:
+                entry[1].rejected = rejected.reject_reason
         for s in out.scheduled:
             core = s.request
             digest.update(f"{core.request_id}:{s.num_computed_tokens}:{s.num_new_tokens};".encode())
@@ -72,6 +86,8 @@ def run_replay(requests: Sequence[LabRequest], executor, *, cost: CostModel | No
             if entry is None or entry[0] is not core:
                 continue
             record = entry[1]
+            if now <= last_arrival:
+                record.service_tokens += s.num_new_tokens
             if record.first_scheduled is None:
                 record.first_scheduled = t_start
             generated = core.num_output_tokens

@@ -64,18 +64,21 @@ class SimExecutor:
 
     def __init__(self, policy, settings: SimSettings) -> None:
         self.settings = settings
+        self.now = 0.0  # the replay's clock, set by the driver
         self.kv = KVCacheManager(settings.num_blocks, settings.block_size, settings.enable_prefix_caching)
         self.scheduler = Scheduler(
             policy, self.kv, max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens, max_model_len=settings.max_model_len,
             long_prefill_token_threshold=settings.long_prefill_token_threshold,
-            enable_chunked_prefill=settings.enable_chunked_prefill,
+            enable_chunked_prefill=settings.enable_chunked_prefill, clock=lambda: self.now,
         )  # fmt: skip
 
     def add(self, request: LabRequest) -> Request:
+        """Queue it; raises RequestRejectedError when the policy turns it away."""
         params = SamplingParams(max_tokens=request.output_len, ignore_eos=True)
         core = Request(request.id, request.prompt_token_ids, params, arrival_time=request.arrival,
-                       priority=request.priority, cache_salt=request.cache_salt, max_tokens=request.output_len)  # fmt: skip
+                       priority=request.priority, cache_salt=request.cache_salt, max_tokens=request.output_len,
+                       tenant=request.tenant, deadline=request.deadline)  # fmt: skip
         self.scheduler.add_request(core)
         return core
 
@@ -105,6 +108,8 @@ class EngineExecutor:
         self.mode = mode
         self.scheduler = engine.core.scheduler
         self.kv = engine.kv_cache_manager
+        self.now = 0.0  # the replay's clock, set by the driver: the scheduler's clock too
+        self.scheduler.clock = lambda: self.now
         self._last = None
         original = self.scheduler.schedule
 
@@ -129,7 +134,8 @@ class EngineExecutor:
     def add(self, request: LabRequest) -> Request:
         self.engine.add_request(request.id, request.prompt_token_ids, request.sampling_params(),
                                 priority=request.priority, arrival_time=request.arrival,
-                                cache_salt=request.cache_salt)  # fmt: skip
+                                cache_salt=request.cache_salt, tenant=request.tenant,
+                                deadline_s=request.deadline_s)  # fmt: skip
         return self.scheduler.requests[request.id]
 
     def busy(self) -> bool:

@@ -23,6 +23,12 @@ class LabRequest:
     priority: int = 0
     cache_salt: str | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
+    tenant: str | None = None
+    deadline_s: float | None = None  # relative to arrival, already scaled
+
+    @property
+    def deadline(self) -> float | None:
+        return None if self.deadline_s is None else self.arrival + self.deadline_s
 
     def sampling_params(self) -> SamplingParams:
         """The trace's sampling fields, generating exactly ``output_len`` tokens."""
@@ -47,8 +53,9 @@ def materialize(trace: Trace, *, seed: int | None = None, time_scale: float = 1.
         n = int(request.sampling.get("n", 1) or 1)
         for k in range(n):
             rid = request.id if n == 1 else f"{request.id}#{k}"
+            deadline = None if request.deadline_s is None else request.deadline_s * time_scale
             out.append(LabRequest(rid, request.arrival_s * time_scale, tokens, request.num_output_tokens,
-                                  request.priority, request.cache_salt, request.sampling))  # fmt: skip
+                                  request.priority, request.cache_salt, request.sampling, request.tenant, deadline))  # fmt: skip
     out.sort(key=lambda r: r.arrival)  # stable: ties keep the trace order
     return out
 
@@ -101,6 +108,18 @@ class RequestRecord:
     num_generated: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at first admission
     num_preemptions: int = 0
+    tenant: str | None = None
+    deadline_s: float | None = None
+    rejected: str | None = None  # the policy's reason, when admission control turned it away
+    # Tokens computed for it (prefill and decode, recomputation included) in steps that ended
+    # by the last arrival: the service while every tenant could still ask for more.
+    service_tokens: int = 0
+
+    @property
+    def met_deadline(self) -> bool | None:
+        if self.deadline_s is None:
+            return None
+        return self.finished is not None and self.finished - self.arrival <= self.deadline_s
 
     @property
     def ttft(self) -> float | None:
