@@ -29,6 +29,9 @@ class FairOptions(BaseModel):
     tenant_weights: dict[str, float] = Field(
         {}, description="share of a tenant relative to the default 1.0, e.g. {\"gold\": 2}"
     )
+    preemptive: bool = Field(
+        False, description="a less-served tenant's waiting request may preempt the most-served running one"
+    )
 
 
 class FairPolicy(BasePolicy):
@@ -39,6 +42,7 @@ class FairPolicy(BasePolicy):
 
     def __init__(self, options: FairOptions | None = None) -> None:
         super().__init__(options or FairOptions())
+        self.displaces_running = self.options.preemptive
         self.counters: dict[str, float] = {}
         self._live: dict[str, deque[RequestView]] = {}  # per tenant, in arrival order
         self._seen: set[RequestView] = set()  # views in _live (by identity)
