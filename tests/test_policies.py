@@ -270,3 +270,58 @@ def test_slo_is_edf_and_rejects_what_cannot_meet_its_deadline():
         rejected += [r.request_id for r in out.rejected]
         clock.t += 0.1
     assert rejected == ["expiring"]
+
+
+# --- the targets, as small simulated lab replays (fixed seeds) ----------------------------------
+def _simulate(trace, policy, **settings):
+    from paged.core.lab.cost import FEATURES, CostModel
+    from paged.core.lab.driver import run_replay
+    from paged.core.lab.executors import SimExecutor, SimSettings
+    from paged.core.lab.metrics import summarize
+    from paged.core.lab.records import PolicyRun, materialize
+
+    # 10 ms a step + 0.1 ms a prefill token + 0.5 ms a decode token.
+    cost = CostModel([{"const": 0.010, "prefill_tokens": 1e-4, "decode_tokens": 5e-4}.get(f, 0.0) for f in FEATURES])
+    _, _, instance = PolicyRun.parse(policy).build()
+    result = run_replay(materialize(trace), SimExecutor(instance, SimSettings(max_model_len=8192, **settings)), cost=cost)
+    return summarize(result)
+
+
+def test_lab_fair_keeps_light_tenants_near_alone_while_one_floods():
+    from paged.core.lab.trace import Trace
+    from paged.core.lab.workloads import WorkloadSpec, generate_workload
+
+    trace = generate_workload(WorkloadSpec("multi-tenant", num_requests=100, rate=24.0, seed=0))
+    light = Trace([r for r in trace.requests if r.tenant != "t0"], trace.header)
+    settings = dict(num_blocks=2048, max_num_seqs=16, max_num_batched_tokens=512)
+
+    def light_p99(summary):
+        return max(v["ttft"]["p99"] for t, v in summary["tenants"].items() if t != "t0")
+
+    alone = light_p99(_simulate(light, "fcfs", **settings))
+    fcfs = _simulate(trace, "fcfs", **settings)
+    fair = _simulate(trace, "fair:preemptive=true", **settings)
+    assert light_p99(fair) <= 2 * alone < light_p99(fcfs)
+    assert fair["jain_service"] >= 0.9 > fcfs["jain_service"]
+
+
+def test_lab_cache_aware_raises_the_prefix_hit_rate_when_prefixes_do_not_all_fit():
+    from paged.core.lab.workloads import WorkloadSpec, generate_workload
+
+    trace = generate_workload(WorkloadSpec("shared-prefix", num_requests=100, rate=30.0, num_prefixes=8, prefix_len=512))
+    settings = dict(num_blocks=160, max_num_seqs=8, max_num_batched_tokens=1024)  # ~3 of the 8 prefixes fit
+    fcfs = _simulate(trace, "fcfs", **settings)["all"]
+    aware = _simulate(trace, "cache-aware", **settings)["all"]
+    assert aware["prefix_cache_hit_rate"] >= 1.5 * fcfs["prefix_cache_hit_rate"]
+    assert aware["total_throughput"] > fcfs["total_throughput"]
+
+
+def test_lab_srpt_lowers_mean_latency_and_slo_raises_goodput():
+    from paged.core.lab.workloads import WorkloadSpec, generate_workload
+
+    settings = dict(num_blocks=2048, max_num_seqs=16, max_num_batched_tokens=1024)
+    heavy = generate_workload(WorkloadSpec("heavy-tail", num_requests=100, rate=16.0))
+    assert _simulate(heavy, "srpt", **settings)["all"]["e2e"]["mean"] < _simulate(heavy, "fcfs", **settings)["all"]["e2e"]["mean"]
+    deadline = generate_workload(WorkloadSpec("deadline", num_requests=100, rate=20.0))
+    goodput = {p: _simulate(deadline, p, **settings)["all"]["goodput"] for p in ("fcfs", "priority", "slo")}
+    assert goodput["slo"] > max(goodput["fcfs"], goodput["priority"])
