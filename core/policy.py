@@ -17,7 +17,9 @@ against the first contract (``sort_key`` + ``select_victim`` + ``displaces_runni
      running requests, and for the waiting ones whenever the scheduler is about to admit (seats
      and budget are free) or to displace. ``now`` is the scheduler's clock (seconds; the same
      clock as ``arrival_time`` and ``deadline``). Keep it cheap: at 256 running it is called 256
-     times per step.
+     times per step. A policy whose waiting requests keep their relative order while they wait
+     (e.g. keys that age uniformly) sets ``dynamic_waiting = False``: only the running ones are
+     re-keyed, and a waiting request keeps the key it got when it (re-)entered the queue.
 
 2. **admission** - ``admit(request, now) -> Admission``: called when a request arrives (a
    rejection then raises ``RequestRejectedError`` to the caller: HTTP 429 or 503 with the reason)
@@ -56,6 +58,7 @@ token; keys only order, they never skip a request forever unless the policy keep
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import TYPE_CHECKING, ClassVar, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:  # the view wraps the engine's Request; the contract only names it
@@ -77,21 +80,21 @@ class RequestView:
     def __repr__(self) -> str:
         return f"RequestView({self._request.request_id!r})"
 
-    request_id = property(lambda self: self._request.request_id)
+    request_id = property(attrgetter("_request.request_id"))
     num_prompt_tokens = property(lambda self: len(self._request.prompt_token_ids))
     num_output_tokens = property(lambda self: len(self._request.output_token_ids))
     num_tokens = property(lambda self: len(self._request.all_token_ids))
-    num_computed_tokens = property(lambda self: self._request.num_computed_tokens)
-    num_cached_tokens = property(lambda self: self._request.num_cached_tokens)
-    prefix_hit_tokens = property(lambda self: self._request.prefix_hit_tokens)
-    arrival_time = property(lambda self: self._request.arrival_time)
-    priority = property(lambda self: self._request.priority)
-    tenant = property(lambda self: self._request.tenant)
-    deadline = property(lambda self: self._request.deadline)
-    max_tokens = property(lambda self: self._request.max_tokens)
-    num_preemptions = property(lambda self: self._request.num_preemptions)
-    num_service_tokens = property(lambda self: self._request.num_service_tokens)
-    sort_key = property(lambda self: self._request.sort_key)
+    num_computed_tokens = property(attrgetter("_request.num_computed_tokens"))
+    num_cached_tokens = property(attrgetter("_request.num_cached_tokens"))
+    prefix_hit_tokens = property(attrgetter("_request.prefix_hit_tokens"))
+    arrival_time = property(attrgetter("_request.arrival_time"))
+    priority = property(attrgetter("_request.priority"))
+    tenant = property(attrgetter("_request.tenant"))
+    deadline = property(attrgetter("_request.deadline"))
+    max_tokens = property(attrgetter("_request.max_tokens"))
+    num_preemptions = property(attrgetter("_request.num_preemptions"))
+    num_service_tokens = property(attrgetter("_request.num_service_tokens"))
+    sort_key = property(attrgetter("_request.sort_key"))
 
     @property
     def is_finished(self) -> bool:
@@ -187,6 +190,7 @@ class BasePolicy:
     name = "base"
     displaces_running = False
     dynamic = False  # True: sort_key(request, now), recomputed every step
+    dynamic_waiting = True  # with dynamic: re-key the waiting queue too (False: running only)
     uses_prefix_hits = False  # True: waiting requests' prefix_hit_tokens refreshed before re-keying
 
     def __init__(self, options=None) -> None:

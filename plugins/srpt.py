@@ -5,8 +5,11 @@ processing a request still needs is its prefill not yet computed plus the output
 generated, which is not known in advance: the expected output is ``max_tokens`` (or the
 ``expected_output_tokens`` option, when the deployment knows its typical length better than the
 clients' limits). Pure SRPT starves long requests under load; aging takes ``aging_tokens_per_s``
-tokens off a request's remaining work for every second it has waited since arrival, so every
-request eventually sorts first. The key changes as a request runs and waits: a dynamic key.
+tokens off a request's remaining work for every second since its arrival, so every request
+eventually sorts first. The key changes as a request runs: a dynamic key. Aging is uniform, so
+``work - rate * (now - arrival)`` orders like ``work + rate * arrival``: waiting requests keep
+their relative order while they wait and only the running ones are re-keyed each step
+(``dynamic_waiting = False``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class SRPTPolicy(BasePolicy):
 
     name = "srpt"
     dynamic = True
+    dynamic_waiting = False
 
     def __init__(self, options: SRPTOptions | None = None) -> None:
         super().__init__(options or SRPTOptions())
@@ -46,5 +50,6 @@ class SRPTPolicy(BasePolicy):
         return prefill_left + max(expected - request.num_output_tokens, 0)
 
     def sort_key(self, request: RequestView, now: float) -> tuple:
-        work = self.remaining_tokens(request) - self.options.aging_tokens_per_s * (now - request.arrival_time)
+        # work - rate * (now - arrival), without the "- rate * now" every key of a step shares.
+        work = self.remaining_tokens(request) + self.options.aging_tokens_per_s * request.arrival_time
         return (work, request.arrival_time)

@@ -108,6 +108,7 @@ class Scheduler:
         # sets its virtual clock here).
         self.clock = clock
         self._dynamic = bool(getattr(policy, "dynamic", False))
+        self._dynamic_waiting = self._dynamic and bool(getattr(policy, "dynamic_waiting", True))
         self._uses_prefix_hits = bool(getattr(policy, "uses_prefix_hits", False))
         self._admit = policy.admit if overrides(policy, "admit") else None
         self._split_budget = policy.split_budget if overrides(policy, "split_budget") else None
@@ -206,7 +207,10 @@ class Scheduler:
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
         self.running.remove(request)
         self.kv.free(request)
-        self._stop_running(request, self.clock())
+        now = self.clock()
+        self._stop_running(request, now)
+        if self._dynamic and not self._dynamic_waiting:
+            request.sort_key = self._key(request, now)  # its place in the queue from now on
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -286,7 +290,7 @@ class Scheduler:
                 request.sort_key = self.policy.sort_key(request.view, now)
             self.running.sort(key=_sort_key)
         if self.policy.displaces_running:
-            if self._dynamic:
+            if self._dynamic_waiting:
                 self._rekey_waiting(now)
                 rekeyed = True
             self._displace(output)
@@ -332,7 +336,7 @@ class Scheduler:
         # are short: admitting now would only preempt again).
         preempted_in_running_loop = len(output.preempted_request_ids) > num_displaced
         can_admit = budget > 0 and len(self.running) < self.max_num_seqs and not preempted_in_running_loop
-        if can_admit and self._dynamic and not rekeyed and len(self.waiting):
+        if can_admit and self._dynamic_waiting and not rekeyed and len(self.waiting):
             self._rekey_waiting(now)
         deferred: list[Request] = []
         while budget > 0 and len(self.running) < self.max_num_seqs and not preempted_in_running_loop:
