@@ -325,3 +325,28 @@ def test_lab_srpt_lowers_mean_latency_and_slo_raises_goodput():
     deadline = generate_workload(WorkloadSpec("deadline", num_requests=100, rate=20.0))
     goodput = {p: _simulate(deadline, p, **settings)["all"]["goodput"] for p in ("fcfs", "priority", "slo")}
     assert goodput["slo"] > max(goodput["fcfs"], goodput["priority"])
+
+
+# --- through the engine: metadata and rejections ------------------------------------------------
+@pytest.mark.slow
+def test_llm_takes_tenant_and_deadline_and_reports_rejections(default_model_dir):
+    from paged import LLM, SamplingParams as Params
+    from paged.core.errors import InvalidRequestError
+
+    llm = LLM(default_model_dir, device="cpu", attention="torch", max_num_seqs=4, num_kv_blocks=64,
+              policy="slo", policy_options={"initial_step_time_s": 0.5})  # fmt: skip
+    try:
+        with pytest.raises(InvalidRequestError, match="deadline_s: invalid value -1"):
+            llm.generate("Hi", Params(max_tokens=2), deadline_s=-1, use_tqdm=False)
+        with pytest.raises(InvalidRequestError, match="user: invalid value 5"):
+            llm.generate("Hi", Params(max_tokens=2), tenant=5, use_tqdm=False)
+        # 8 tokens at an assumed 0.5 s a step cannot finish in 1 s: turned away at arrival, 503.
+        with pytest.raises(RequestRejectedError, match="cannot meet its deadline") as e:
+            llm.generate("Hi", Params(max_tokens=8, ignore_eos=True), deadline_s=1.0, use_tqdm=False)
+        assert e.value.http_status == 503
+        out = llm.generate(["Hi", "Hello"], Params(max_tokens=2, ignore_eos=True), tenant=["a", "b"],
+                           deadline_s=[60.0, None], use_tqdm=False)  # fmt: skip
+        assert [len(o.outputs[0].token_ids) for o in out] == [2, 2]
+        assert not llm.engine.has_unfinished_requests()
+    finally:
+        llm.shutdown()

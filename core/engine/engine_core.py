@@ -47,6 +47,7 @@ class EngineCoreOutput:
     finished_time: float | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    reject_reason: str | None = None  # with finish_reason "rejected": the policy's reason
 
 
 @dataclass
@@ -148,7 +149,8 @@ class EngineCore:
             )
         for request in scheduler_output.rejected:  # turned away by the policy before running
             outputs.append(EngineCoreOutput(request.request_id, [], finish_reason=request.status.finish_reason,
-                                            arrival_time=request.arrival_time, finished_time=request.finished_time))  # fmt: skip
+                                            arrival_time=request.arrival_time, finished_time=request.finished_time,
+                                            reject_reason=request.reject_reason))  # fmt: skip
         return outputs
 
     def shutdown(self) -> None:

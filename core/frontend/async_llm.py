@@ -44,7 +44,7 @@ from paged.core.ipc.engine_core_proc import (
     output_from_wire,
     request_to_wire,
 )
-from paged.core.errors import InvalidRequestError, PagedError
+from paged.core.errors import InvalidRequestError, PagedError, RequestRejectedError
 from paged.core.frontend.outputs import RequestOutput
 from paged.core.frontend.processor import InputProcessor, OutputProcessor
 from paged.core.sampling_params import SamplingParams
@@ -209,16 +209,20 @@ class AsyncLLM:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         add_special_tokens: bool = True,
+        tenant: str | None = None,
+        deadline_s: float | None = None,
     ) -> RequestStream:
         """Validate and send a request to the core. Raises InvalidRequestError (nothing sent) or
-        EngineDeadError at once; a rejection by the core comes out of the stream."""
+        EngineDeadError at once; a rejection by the core (RequestRejectedError when the policy's
+        admission control turns it away) comes out of the stream."""
         self._check_alive()
         self._ensure_handler()
         request_id = f"req-{next(self._request_ids)}" if request_id is None else str(request_id)
         if request_id in self.streams:
             raise InvalidRequestError(f"request_id: {request_id!r} is already in use")
         parent, requests = self.input_processor.process(
-            request_id, prompt, params or SamplingParams(), priority, arrival_time, cache_salt, add_special_tokens
+            request_id, prompt, params or SamplingParams(), priority, arrival_time, cache_salt, add_special_tokens,
+            tenant, deadline_s,
         )
         stream = RequestStream(self, request_id)
         self.streams[request_id] = stream
@@ -368,7 +372,10 @@ class AsyncLLM:
                     parent_id = self._child_parent.get(msg.request_id)
                     stream = self.streams.get(parent_id) if parent_id is not None else None
                     if stream is not None:
-                        err = InvalidRequestError(msg.message) if msg.invalid else PagedError(msg.message)
+                        if msg.http_status:
+                            err = RequestRejectedError(msg.message, msg.http_status)
+                        else:
+                            err = InvalidRequestError(msg.message) if msg.invalid else PagedError(msg.message)
                         stream._put(err)
                     if parent_id is not None:
                         self.abort(parent_id)

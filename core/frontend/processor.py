@@ -166,6 +166,8 @@ class OutputProcessor:
                 delta += child.detokenizer.finalize()
                 out.finish_reason = core_out.finish_reason
                 out.stop_reason = core_out.stop_token_id if core_out.stop_token_id in child.stop_token_ids else None
+                if core_out.finish_reason == "rejected":  # turned away by the policy: why, for the client
+                    out.stop_reason = core_out.reject_reason
             out.text += delta
             out.new_text += delta
             out.metrics = RequestMetrics(

@@ -55,7 +55,7 @@ import zmq
 
 from paged.core.config import for_child_process
 from paged.core.engine.engine_core import EngineCoreOutput, ModelInfo
-from paged.core.errors import PagedError
+from paged.core.errors import PagedError, RequestRejectedError
 from paged.core.engine.sampler import TokenLogprobs
 from paged.core.sampling_params import SamplingParams
 
@@ -76,6 +76,8 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     cache_salt: str | None = None
     eos_token_id: int | None = None
     max_tokens: int = 16
+    tenant: str | None = None
+    deadline: float | None = None  # absolute, time.monotonic() (the same clock in every process)
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -106,6 +108,7 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finished_time: float | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    reject_reason: str | None = None
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):
@@ -129,6 +132,7 @@ class RequestFailed(msgspec.Struct, tag="failed", array_like=True):
     request_id: str
     message: str
     invalid: bool = True  # an InvalidRequestError (the client's fault) rather than an internal error
+    http_status: int = 0  # 429 / 503: the policy's admission control rejected it (RequestRejectedError)
 
 
 class CoreFailed(msgspec.Struct, tag="dead", array_like=True):
@@ -153,7 +157,8 @@ def request_to_wire(request) -> AddRequest:
     """A ``paged.core.engine.request.Request`` (as the InputProcessor builds it) as an AddRequest."""
     return AddRequest(
         request.request_id, list(request.prompt_token_ids), request.sampling_params, request.arrival_time,
-        request.priority, request.cache_salt, request.eos_token_id, request.max_tokens,
+        request.priority, request.cache_salt, request.eos_token_id, request.max_tokens, request.tenant,
+        request.deadline,
     )
 
 
@@ -163,6 +168,7 @@ def request_from_wire(msg: AddRequest):
     return Request(
         msg.request_id, msg.prompt_token_ids, msg.sampling_params, arrival_time=msg.arrival_time,
         priority=msg.priority, cache_salt=msg.cache_salt, eos_token_id=msg.eos_token_id, max_tokens=msg.max_tokens,
+        tenant=msg.tenant, deadline=msg.deadline,
     )
 
 
@@ -252,6 +258,8 @@ class EngineCoreProc:
             try:
                 core.add_request(request_from_wire(msg))
                 self.num_requests_added += 1
+            except RequestRejectedError as e:
+                self.out_q.put(RequestFailed(msg.request_id, str(e), invalid=False, http_status=e.http_status))
             except PagedError as e:
                 self.out_q.put(RequestFailed(msg.request_id, str(e), invalid=isinstance(e, ValueError)))
             except Exception as e:  # a bad request must not take the core down
