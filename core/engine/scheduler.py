@@ -9,8 +9,8 @@ One ``schedule()`` per engine step:
    before the policy's victim among the running ones and cannot be admitted (batch full at
    ``max_num_seqs``, or too few free blocks), preempt that victim.
 2. *Running requests*, in policy order: each gets ``min(remaining, budget left, chunk cap)``
-   tokens (1 for a decode); prefill chunks together take at most the split's prefill share. When its blocks cannot be allocated,
-   the policy picks a victim among the requests not yet scheduled this step (itself included)
+   tokens (1 for a decode); prefill chunks together take at most the split's prefill share.
+   When its blocks cannot be allocated, the policy picks a victim among the requests not yet scheduled this step (itself included)
    and that victim is preempted, until the allocation succeeds or the request preempted itself.
 3. *Waiting requests*, in policy order, while budget, ``max_num_seqs`` and blocks allow; a
    prefix-cache hit skips the cached tokens. A request's first admission asks the policy's
