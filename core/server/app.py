@@ -40,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from paged.core.frontend.async_llm import AsyncLLM, StatsObserver
 from paged.core.config import EngineConfig
 from paged.core.ipc.engine_core_proc import EngineDeadError
-from paged.core.errors import InvalidRequestError, PagedError
+from paged.core.errors import InvalidRequestError, PagedError, RequestRejectedError
 from paged.core.frontend.outputs import RequestOutput
 from paged.core.sampling_params import SamplingParams
 
@@ -75,6 +75,22 @@ def engine_unavailable(message: str) -> APIError:
     return APIError(503, message, "server_error", None, "engine_unavailable")
 
 
+def rejected(reason: str, http_status: int = 503) -> APIError:
+    if http_status == 429:
+        return APIError(429, reason, "requests", None, "rate_limit_exceeded")
+    return APIError(503, reason, "server_error", None, "rejected_by_policy")
+
+
+def _rejection(outputs) -> Response | None:
+    """An error response if the policy turned a request away from the queue (it then finished with
+    finish_reason "rejected" before producing anything), else None."""
+    for out in outputs:
+        for c in out.outputs:
+            if c.finish_reason == "rejected":
+                return rejected(str(c.stop_reason or "rejected by the scheduling policy")).response()
+    return None
+
+
 def _from_exception(e: BaseException) -> APIError:
     if isinstance(e, APIError):
         return e
@@ -82,6 +98,8 @@ def _from_exception(e: BaseException) -> APIError:
         return invalid(str(e))
     if isinstance(e, EngineDeadError):
         return engine_unavailable(str(e))
+    if isinstance(e, RequestRejectedError):  # the scheduling policy's admission control
+        return rejected(str(e), e.http_status)
     if isinstance(e, PagedError):
         return APIError(500, str(e), "server_error")
     return APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
@@ -95,7 +113,7 @@ class StreamOptions(BaseModel):
 
 
 # Fields of the OpenAI API that are accepted and ignored (they change nothing here).
-_IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "modalities"}
+_IGNORED = {"metadata", "store", "service_tier", "parallel_tool_calls", "modalities"}
 
 
 class _Common(BaseModel):
@@ -122,8 +140,9 @@ class _Common(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0
+    deadline_s: float | None = None  # seconds after arrival by which it should finish (policies)
+    user: str | None = None  # the tenant, for fairness policies (else the X-Paged-Tenant header)
     # ignored OpenAI fields
-    user: str | None = None
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
@@ -589,12 +608,12 @@ def build_app(config: EngineConfig, start_timeout: float = 600.0, record_trace: 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await _json(request)
-        return await _unless_disconnected(request, _completions(state, body))
+        return await _unless_disconnected(request, _completions(state, body, request.headers.get("x-paged-tenant")))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _json(request)
-        return await _unless_disconnected(request, _chat(state, body))
+        return await _unless_disconnected(request, _chat(state, body, request.headers.get("x-paged-tenant")))
 
     return app
 
@@ -650,13 +669,14 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
 
 
 async def _start(state: ServerState, request_id: str, prompts: list, params: SamplingParams, priority: int,
-                 add_special_tokens: bool) -> list:
+                 add_special_tokens: bool, tenant: str | None = None, deadline_s: float | None = None) -> list:
     llm = state.require_llm()
     streams = []
     try:
         for i, prompt in enumerate(prompts):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            streams.append(await llm.add_request(rid, prompt, params, priority, add_special_tokens=add_special_tokens))
+            streams.append(await llm.add_request(rid, prompt, params, priority, add_special_tokens=add_special_tokens,
+                                                 tenant=tenant, deadline_s=deadline_s))  # fmt: skip
     except BaseException:
         for s in streams:
             s.close()
@@ -664,7 +684,7 @@ async def _start(state: ServerState, request_id: str, prompts: list, params: Sam
     return streams
 
 
-async def _completions(state: ServerState, body: Any) -> Response:
+async def _completions(state: ServerState, body: Any, tenant: str | None = None) -> Response:
     try:
         req: CompletionRequest = _parse(CompletionRequest, body)
         state.require_llm()
@@ -678,7 +698,7 @@ async def _completions(state: ServerState, body: Any) -> Response:
         params = _sampling_params(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
         prompts = _prompts(req.prompt)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await _start(state, request_id, prompts, params, req.priority, True)
+        streams = await _start(state, request_id, prompts, params, req.priority, True, req.user or tenant, req.deadline_s)
     except Exception as e:
         return _from_exception(e).response()
     model = state.served_model_name
@@ -694,6 +714,8 @@ async def _completions(state: ServerState, body: Any) -> Response:
                 final[i] = out
         except Exception as e:
             return _from_exception(e).response()
+        if (rejection := _rejection(final.values())) is not None:
+            return rejection
         choices, completion_tokens = [], 0
         for i in range(len(prompts)):
             for c in final[i].outputs:
@@ -764,7 +786,12 @@ async def _completions(state: ServerState, body: Any) -> Response:
 async def _first(it) -> Any:
     """The first item of a merged stream, or an error Response (before any header is sent)."""
     try:
-        return await anext(it)
+        first = await anext(it)
+        rejection = _rejection([first[1]])
+        if rejection is not None:
+            await it.aclose()
+            return rejection
+        return first
     except StopAsyncIteration:
         return APIError(500, "the request produced no output", "server_error").response()
     except Exception as e:
@@ -795,7 +822,7 @@ def _chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-async def _chat(state: ServerState, body: Any) -> Response:
+async def _chat(state: ServerState, body: Any, tenant: str | None = None) -> Response:
     try:
         req: ChatCompletionRequest = _parse(ChatCompletionRequest, body)
         llm = state.require_llm()
@@ -821,7 +848,8 @@ async def _chat(state: ServerState, body: Any) -> Response:
             raise invalid("messages: must not be empty", "messages")
         prompt = llm.apply_chat_template(_chat_messages(req.messages))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await _start(state, request_id, [prompt], params, req.priority, False)
+        streams = await _start(state, request_id, [prompt], params, req.priority, False, req.user or tenant,
+                               req.deadline_s)  # fmt: skip
     except Exception as e:
         return _from_exception(e).response()
     model = state.served_model_name
@@ -836,6 +864,8 @@ async def _chat(state: ServerState, body: Any) -> Response:
                 final = out
         except Exception as e:
             return _from_exception(e).response()
+        if (rejection := _rejection([final])) is not None:
+            return rejection
         choices = [{
             "index": c.index, "message": {"role": "assistant", "content": c.text},
             "logprobs": _chat_logprobs(tok, c.logprobs) if c.logprobs is not None else None,
