@@ -392,6 +392,26 @@ def test_priority_arrival_displaces_when_blocks_are_short():
     assert sched_map(out) == {high.request_id: 8}
 
 
+def test_displaced_request_is_not_readmitted_in_the_same_step():
+    """Issue 17: 3 blocks of 3 tokens, budget 5. r0 computed its 5-token prompt (2 blocks); r1
+    (better priority, 4 tokens = 2 blocks) displaces it. The 1 token of budget left must not
+    re-admit r0 from zero in that step: that throws away its 5 computed tokens for 1."""
+    s = make_sched(PriorityPolicy(), num_blocks=3, block_size=3, max_num_seqs=4, max_num_batched_tokens=5, max_model_len=9, caching=False)
+    r0 = req("r0", n=5, max_tokens=2, priority=1, arrival=0.0)
+    s.add_request(r0)
+    assert sched_map(step(s)) == {"r0": 5}
+    r1 = req("r1", n=4, max_tokens=1, priority=0, arrival=1.0)
+    s.add_request(r1)
+    out = step(s)
+    assert out.preempted_request_ids == ["r0"]
+    assert sched_map(out) == {"r1": 4}
+    assert r0.status == RequestStatus.PREEMPTED and r0.num_computed_tokens == 0
+    assert [r.request_id for r in s.waiting] == ["r0"]
+    run_to_completion(s)
+    assert r0.num_output_tokens == 2 and r1.num_output_tokens == 1
+    assert_all_free(s)
+
+
 def test_displacement_does_not_preempt_when_the_arrival_fits():
     s = make_sched(PriorityPolicy(), max_num_seqs=4)
     low = req(n=4, max_tokens=4, priority=5)

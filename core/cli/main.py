@@ -296,7 +296,7 @@ def _round(v: float | None) -> float | None:
 # --- paged serve ----------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
     from paged.core.config import resolve_plugins
-    from paged.core.server.app import run_server
+    from paged.core.server import run_server
 
     config = engine_config_from_args(args)
     resolve_plugins(config, device=_device_for_check(config))  # bad plugin names fail before anything starts

@@ -10,12 +10,13 @@ One ``schedule()`` per engine step:
    ``max_num_seqs``, or too few free blocks), preempt that victim.
 2. *Running requests*, in policy order: each gets ``min(remaining, budget left, chunk cap)``
    tokens (1 for a decode); prefill chunks together take at most the split's prefill share.
-   When its blocks cannot be allocated, the policy picks a victim among the requests not yet scheduled this step (itself included)
-   and that victim is preempted, until the allocation succeeds or the request preempted itself.
+   When its blocks cannot be allocated, the policy picks a victim among the requests not yet
+   scheduled this step (itself included) and that victim is preempted, until the allocation succeeds or the request preempted itself.
 3. *Waiting requests*, in policy order, while budget, ``max_num_seqs`` and blocks allow; a
    prefix-cache hit skips the cached tokens. A request's first admission asks the policy's
    ``admit``: a deferred request waits (the next one tries), a rejected one finishes as
-   "rejected". Admission stops at the first that does not fit.
+   "rejected". Admission stops at the first that does not fit, or at one displaced in step 1 (it
+   would recompute from zero what it had just computed).
 4. The policy's ``on_step`` gets the step's stats.
 
 Preemption is by recompute: the victim frees its blocks, goes back to zero computed tokens and
@@ -332,23 +333,22 @@ class Scheduler:
                 prefill_left -= num_new
             i += 1
 
-        # Waiting requests, while budget, seats and blocks allow; none after a preemption (blocks
-        # are short: admitting now would only preempt again).
+        # Waiting requests, while budget, seats and blocks allow; none after a preemption in the
+        # running loop (blocks are short: admitting now would only preempt again), and none from a
+        # request displaced this step on (re-admitting it would throw away the tokens it had
+        # computed for a chunk of the same or fewer; what sorts after it must not overtake it).
         preempted_in_running_loop = len(output.preempted_request_ids) > num_displaced
         can_admit = budget > 0 and len(self.running) < self.max_num_seqs and not preempted_in_running_loop
         if can_admit and self._dynamic_waiting and not rekeyed and len(self.waiting):
             self._rekey_waiting(now)
         deferred: list[Request] = []
+        displaced = output.preempted_request_ids[:num_displaced]
         while budget > 0 and len(self.running) < self.max_num_seqs and not preempted_in_running_loop:
             if prefill_left is not None and prefill_left <= 0:
                 break
             request = self.waiting.peek()
-            if request is None:
+            if request is None or (displaced and request.request_id in displaced):
                 break
-            if request.status == RequestStatus.PREEMPTED and request.request_id in output.preempted_request_ids:
-                # Displaced this step: it must not come back in the same step.
-                deferred.append(self.waiting.pop())
-                continue
             if self._admit is not None and request.first_scheduled_time is None:
                 decision = self._admit(request.view, now)
                 if isinstance(decision, Admission) and decision.decision == "reject":

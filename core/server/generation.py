@@ -1,0 +1,141 @@
+"""The request lifecycle shared by /v1/completions and /v1/chat/completions: add the requests,
+then either collect the final outputs into one JSON response or stream them as server-sent
+events. The endpoints differ only in how a choice is shaped (a ``ChoiceFormat``).
+
+Choice indices: prompt ``i``'s sample ``j`` is choice ``i * n + j``."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from fastapi.responses import JSONResponse, Response
+
+from paged.core.frontend.outputs import CompletionOutput, RequestOutput
+from paged.core.sampling_params import SamplingParams
+from paged.core.server.errors import from_exception, rejection
+from paged.core.server.state import ServerState
+from paged.core.server.streaming import DONE, EventStream, Tokens, first_or_error, merged, sse, usage
+
+
+class ChoiceFormat:
+    """How one endpoint shapes its choices; one instance per request (it may keep state)."""
+
+    object_name = ""  # the non-streamed response's "object"
+    chunk_object = ""  # each streamed chunk's "object"
+
+    def __init__(self, tokens: Tokens) -> None:
+        self.tok = tokens
+
+    def preamble(self, n: int) -> list[dict[str, Any]]:
+        """Choices of a first chunk sent before any token (none by default)."""
+        return []
+
+    def final_choice(self, index: int, c: CompletionOutput) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def delta_choice(self, index: int, c: CompletionOutput, new_logprobs: list | None) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+async def start(state: ServerState, request_id: str, prompts: list, params: SamplingParams, priority: int,
+                add_special_tokens: bool, tenant: str | None = None, deadline_s: float | None = None) -> list:
+    """One engine request per prompt (each with ``params.n`` samples); all closed if one fails."""
+    llm = state.require_llm()
+    streams = []
+    try:
+        for i, prompt in enumerate(prompts):
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            streams.append(await llm.add_request(rid, prompt, params, priority, add_special_tokens=add_special_tokens,
+                                                 tenant=tenant, deadline_s=deadline_s))  # fmt: skip
+    except BaseException:
+        for s in streams:
+            s.close()
+        raise
+    return streams
+
+
+async def respond(state: ServerState, fmt: ChoiceFormat, request_id: str, prompts: list, params: SamplingParams,
+                  priority: int, add_special_tokens: bool, stream: bool, include_usage: bool,
+                  tenant: str | None = None, deadline_s: float | None = None) -> Response:
+    try:
+        streams = await start(state, request_id, prompts, params, priority, add_special_tokens, tenant, deadline_s)
+    except Exception as e:
+        return from_exception(e).response()
+    head = {"id": request_id, "object": fmt.object_name, "created": int(time.time()),
+            "model": state.served_model_name}
+    n = params.n
+    it = merged(streams)
+
+    if not stream:
+        final: dict[int, RequestOutput] = {}
+        try:
+            async for i, out in it:
+                final[i] = out
+        except Exception as e:
+            return from_exception(e).response()
+        if (error := rejection(final.values())) is not None:
+            return error.response()
+        choices, completion_tokens = [], 0
+        for i in range(len(prompts)):
+            for c in final[i].outputs:
+                completion_tokens += len(c.token_ids)
+                choices.append(fmt.final_choice(i * n + c.index, c))
+        prompt_tokens = sum(len(final[i].prompt_token_ids) for i in range(len(prompts)))
+        return JSONResponse({**head, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)})
+
+    first = await first_or_error(it)
+    if isinstance(first, Response):
+        return first
+    if (error := rejection([first[1]])) is not None:
+        await it.aclose()
+        return error.response()
+    head["object"] = fmt.chunk_object
+
+    def chunk(choices: list, usage_: Any = ...) -> bytes:
+        data = {**head, "choices": choices}
+        if usage_ is not ...:
+            data["usage"] = usage_
+        elif include_usage:
+            data["usage"] = None
+        return sse(data)
+
+    async def events() -> AsyncIterator[bytes]:
+        sent_finish: set[int] = set()
+        prompt_tokens: dict[int, int] = {}
+        completion_tokens: dict[int, int] = {}
+        try:
+            preamble = fmt.preamble(n)
+            if preamble:
+                yield chunk(preamble)
+            item = first
+            while item is not None:
+                i, out = item
+                prompt_tokens[i] = len(out.prompt_token_ids)
+                choices = []
+                for c in out.outputs:
+                    index = i * n + c.index
+                    if index in sent_finish:
+                        continue
+                    completion_tokens[index] = len(c.token_ids)
+                    if not c.new_text and not c.new_token_ids and not c.finished:
+                        continue
+                    new_logprobs = None
+                    if c.logprobs is not None:
+                        k = len(c.new_token_ids)
+                        new_logprobs = c.logprobs[len(c.logprobs) - k:] if k else []
+                    if c.finished:
+                        sent_finish.add(index)
+                    choices.append(fmt.delta_choice(index, c, new_logprobs))
+                if choices:
+                    yield chunk(choices)
+                item = await anext(it, None)
+            if include_usage:
+                yield chunk([], usage(sum(prompt_tokens.values()), sum(completion_tokens.values())))
+        except Exception as e:
+            yield sse(from_exception(e).body())
+        finally:
+            await it.aclose()
+        yield DONE
+
+    return EventStream(events(), media_type="text/event-stream")

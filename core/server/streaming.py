@@ -1,0 +1,164 @@
+"""Output plumbing shared by the generation endpoints: token text and logprob formatting,
+server-sent events, merging several request streams, and cancelling on client disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import suppress
+from typing import Any, AsyncIterator
+
+import msgspec
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from paged.core.frontend.outputs import RequestOutput
+from paged.core.server.errors import APIError, from_exception
+
+
+class Tokens:
+    """Token id -> text, cached."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self.cache.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            self.cache[token_id] = text
+        return text
+
+
+def completion_logprobs(tok: Tokens, logprobs: list, text_offset: int) -> dict[str, Any]:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for lp in logprobs:
+        s = tok(lp.token_id)
+        tokens.append(s)
+        token_lps.append(lp.logprob)
+        top = {tok(t): v for t, v in lp.top}
+        top.setdefault(s, lp.logprob)
+        tops.append(top)
+        offsets.append(text_offset)
+        text_offset += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(tok: Tokens, logprobs: list) -> dict[str, Any]:
+    content = []
+    for lp in logprobs:
+        s = tok(lp.token_id)
+        content.append({
+            "token": s, "logprob": lp.logprob, "bytes": list(s.encode("utf-8")),
+            "top_logprobs": [{"token": tok(t), "logprob": v, "bytes": list(tok(t).encode("utf-8"))} for t, v in lp.top],
+        })
+    return {"content": content}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse(data: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(data) + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+async def merged(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several request streams as they come; closes them all on exit."""
+    try:
+        if len(streams) == 1:
+            async for out in streams[0]:
+                yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream) -> None:
+            try:
+                async for out in stream:
+                    queue.put_nowait((i, out))
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                queue.put_nowait((i, e))
+            finally:
+                queue.put_nowait((i, None))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(streams)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+    finally:
+        for s in streams:
+            s.close()
+
+
+class EventStream(StreamingResponse):
+    """A StreamingResponse that always watches for the client going away and then cancels the
+    body (whatever ASGI spec version the server speaks), so the request is aborted at once."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def stream() -> None:
+            with suppress(OSError):
+                await self.stream_response(send)
+
+        sender = asyncio.ensure_future(stream())
+        watcher = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait({sender, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (sender, watcher):
+                t.cancel()
+            await asyncio.gather(sender, watcher, return_exceptions=True)
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                with suppress(Exception):
+                    await aclose()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, coro) -> Response:
+    """Run the handler; if the client disconnects first, cancel it (which aborts its requests)."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+    if task.cancelled() or not task.done():
+        with suppress(BaseException):
+            await task
+        return Response(status_code=499)
+    return task.result()
+
+
+
+async def first_or_error(it) -> Any:
+    """The first item of a merged stream, or an error Response (before any header is sent)."""
+    try:
+        return await anext(it)
+    except StopAsyncIteration:
+        return APIError(500, "the request produced no output", "server_error").response()
+    except Exception as e:
+        await it.aclose()
+        return from_exception(e).response()
