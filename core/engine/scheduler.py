@@ -34,14 +34,8 @@ from typing import Iterable
 
 from paged.core.errors import InvalidRequestError, RequestRejectedError
 from paged.core.engine.kv_cache_manager import KVCacheManager, cdiv
-from paged.core.policy import (
-    MAX_DEFERRALS_PER_STEP,
-    Admission,
-    BudgetState,
-    SchedulingPolicy,
-    StepStats,
-    overrides,
-)
+from paged.core.engine.policy_inputs import budget_split, step_stats
+from paged.core.policy import MAX_DEFERRALS_PER_STEP, Admission, SchedulingPolicy, overrides
 from paged.core.engine.request import Request, RequestStatus
 from paged.core.engine.waiting_queue import WaitingQueue
 
@@ -241,28 +235,6 @@ class Scheduler:
         key = self.policy.sort_key
         self.waiting.rekey(lambda r: key(r.view, now))
 
-    def _budget_split(self, now: float) -> tuple[int | None, int]:
-        """(prefill token cap or None, chunk cap or 0) for this step: the policy's split, clamped
-        so that prefill always gets at least one token (liveness) and no chunk exceeds
-        long_prefill_token_threshold."""
-        threshold = self.long_prefill_token_threshold
-        if self._split_budget is None or not self.enable_chunked_prefill:
-            return None, threshold
-        num_decoding = sum(1 for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens)
-        state = BudgetState(now, self.max_num_batched_tokens, len(self.running), len(self.waiting), num_decoding,
-                            self.kv.num_free_blocks / max(self.kv.num_blocks, 1))  # fmt: skip
-        split = self._split_budget(state)
-        if split is None:
-            return None, threshold
-        prefill = split.prefill_tokens
-        if prefill is not None:
-            prefill = max(1, min(int(prefill), self.max_num_batched_tokens))
-        chunk = threshold
-        if split.chunk_tokens is not None:  # the operator's threshold stays an upper bound
-            chunk = max(1, int(split.chunk_tokens))
-            chunk = min(chunk, threshold) if threshold else chunk
-        return prefill, chunk
-
     def _displace(self, output: SchedulerOutput) -> None:
         while self.running:
             head = self.waiting.peek()
@@ -297,7 +269,7 @@ class Scheduler:
             self._displace(output)
         num_displaced = len(output.preempted_request_ids)
         budget = self.max_num_batched_tokens
-        prefill_left, threshold = self._budget_split(now)
+        prefill_left, threshold = budget_split(self, now)
 
         # Running requests, in order; victims come from those not yet scheduled (index >= i).
         scheduled = output.scheduled
@@ -391,23 +363,8 @@ class Scheduler:
             self.waiting.push(request)
         self.step_scheduled_tokens = self.max_num_batched_tokens - budget
         if self._on_step is not None:
-            self._on_step(self._step_stats(output, now, len(deferred)))
+            self._on_step(step_stats(self, output, now, len(deferred)))
         return output
-
-    def _step_stats(self, output: SchedulerOutput, now: float, num_deferred: int) -> StepStats:
-        scheduled = []
-        num_prefill = num_decode = 0
-        for s in output.scheduled:
-            request = s.request
-            if s.num_new_tokens == 1 and s.num_computed_tokens >= request.num_prompt_tokens:
-                scheduled.append((request.view, 0, 1))
-                num_decode += 1
-            else:
-                scheduled.append((request.view, s.num_new_tokens, 0))
-                num_prefill += s.num_new_tokens
-        return StepStats(now, self.max_num_batched_tokens, len(self.running), len(self.waiting), num_prefill, num_decode,
-                         len(output.preempted_request_ids), num_deferred, len(output.rejected),
-                         self.kv.usage, tuple(scheduled))  # fmt: skip
 
     def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
         """Append each sampled token, apply stop conditions, free finished requests.
