@@ -22,6 +22,7 @@ Each step: ``schedule()``, then ``update_from_output()`` with a dummy token for 
 request whose prefill completes. The overhead measured is the time of those two calls.
 
     python benchmarks/scheduler_sim.py [--num-requests 10000] [--seed 0] [--json] [--profile]
+        [--policy NAME[:K=V,...]]   # e.g. --policy fair or srpt (dynamic keys: re-keyed every step)
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ from paged.core.engine.kv_cache_manager import KVCacheManager, cdiv
 from paged.core.engine.request import Request
 from paged.core.sampling_params import SamplingParams
 from paged.core.engine.scheduler import Scheduler
-from paged.plugins.policies import FCFSPolicy, PriorityPolicy
 
 VOCAB = 32000
 
@@ -143,7 +143,9 @@ def simulate(sched: Scheduler, requests: list[Request], profile: bool = False) -
 
 
 def make_scheduler(args, num_blocks: int) -> Scheduler:
-    policy = PriorityPolicy() if args.policy == "priority" else FCFSPolicy()
+    from paged.core.lab.records import PolicyRun
+
+    policy = PolicyRun.parse(args.policy).build()[2]  # any registered policy, NAME[:K=V,...]
     kv = KVCacheManager(num_blocks, args.block_size, enable_caching=not args.no_prefix_caching)
     return Scheduler(
         policy,
@@ -209,7 +211,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--profile", action="store_true", help="cProfile schedule + update (throughput run)")
-    ap.add_argument("--policy", choices=["fcfs", "priority"], default="fcfs")
+    ap.add_argument("--policy", default="fcfs", metavar="NAME[:K=V,...]",
+                    help="any registered policy, e.g. srpt:aging_tokens_per_s=10 or fair (dynamic keys)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-model-len", type=int, default=4096)

@@ -19,3 +19,12 @@ class InvalidRequestError(PagedError, ValueError):
 
 class ModelLoadError(PagedError):
     """A model directory or checkpoint cannot be loaded."""
+
+
+class RequestRejectedError(PagedError):
+    """The scheduling policy's admission control turned a request away (overload, quota, a
+    deadline it cannot meet). ``http_status`` is 429 or 503; the message is the policy's reason."""
+
+    def __init__(self, message: str, http_status: int = 429) -> None:
+        super().__init__(message)
+        self.http_status = http_status

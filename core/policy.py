@@ -1,47 +1,221 @@
-"""The scheduling-policy contract.
+"""The scheduling-policy contract: the decision points a policy plugin owns.
 
-The scheduler (paged.core.engine.scheduler) owns the mechanism: token budget, chunked prefill, block
-allocation, preemption. A policy decides only
+The scheduler (paged.core.engine.scheduler) owns the mechanism: token budget, chunked prefill,
+block allocation, prefix lookup, preemption by recompute, and every invariant of the KV cache. A
+policy only *decides*, through the methods below; each has a default (in ``BasePolicy``, and the
+scheduler falls back to it for a policy that does not define the method), so a policy written
+against the first contract (``sort_key`` + ``select_victim`` + ``displaces_running``) works unchanged.
 
-- the *order*: ``sort_key(request)``, lower first. It is computed once when the request enters the
-  waiting queue and kept while it runs, so it must not depend on the current time (aging can be
-  expressed statically: see the priority policy). The waiting queue and the running list are both
-  kept in this order.
-- the *victim*: ``select_victim(candidates)`` when blocks run out (default: the largest key).
-- whether a better waiting request may *displace* a running one when the batch is full
-  (``displaces_running``).
+1. **order** - ``sort_key(request)``, lower first. The waiting queue and the running list are
+   kept in this order: it decides who is admitted first, who gets budget first and (by default)
+   who is preempted. Two kinds, declared by the class attribute ``dynamic``:
+
+   - static (``dynamic = False``, the default): ``sort_key(request)`` is computed once, when the
+     request enters the queue, and kept for its life (also across preemption). Aging can be
+     written statically when every request ages at the same rate (see the priority policy).
+   - dynamic (``dynamic = True``): ``sort_key(request, now)`` is recomputed at every step for the
+     running requests, and for the waiting ones whenever the scheduler is about to admit (seats
+     and budget are free) or to displace. ``now`` is the scheduler's clock (seconds; the same
+     clock as ``arrival_time`` and ``deadline``). Keep it cheap: at 256 running it is called 256
+     times per step. A policy whose waiting requests keep their relative order while they wait
+     (e.g. keys that age uniformly) sets ``dynamic_waiting = False``: only the running ones are
+     re-keyed, and a waiting request keeps the key it got when it (re-)entered the queue.
+
+2. **admission** - ``admit(request, now) -> Admission``: called when a request arrives (a
+   rejection then raises ``RequestRejectedError`` to the caller: HTTP 429 or 503 with the reason)
+   and again each time it reaches the head of the waiting queue with room to run (a rejection
+   then finishes it with finish reason ``"rejected"``; a deferral leaves it waiting and lets the
+   next one try; at most ``MAX_DEFERRALS_PER_STEP`` deferrals per step). Default: accept.
+
+3. **budget split** - ``split_budget(state) -> BudgetSplit | None``, once per step: how many of
+   the step's tokens prefill chunks may take (decodes, one token each, are never capped) and the
+   largest prefill chunk one request gets this step. Default ``None``: prefill takes whatever
+   decodes leave, chunks are capped by ``scheduler.long_prefill_token_threshold``. Without chunked
+   prefill the split is not applied (a prompt must be admitted whole).
+
+4. **victim** - ``select_victim(candidates)`` when blocks run out: default the largest key.
+   **displacement** - ``displaces_running``: may a better waiting request preempt a running one
+   when the batch is full.
+
+5. **feedback** - ``on_step(stats: StepStats)``, once per step after scheduling, with what the step
+   did (for policies that adapt: service counters, step-time estimates, feedback control).
+
+What a policy sees of a request is a ``RequestView``: read-only properties, no access to the
+token lists the mechanism mutates or to the block table. Fields: ``request_id``,
+``num_prompt_tokens``, ``num_output_tokens``, ``num_tokens``, ``num_computed_tokens``,
+``num_cached_tokens`` (prefix-cache hit at first admission, -1 before), ``prefix_hit_tokens``
+(the tokens the prefix cache holds for it now: for waiting requests, when the policy sets
+``uses_prefix_hits = True``, refreshed before each dynamic re-key), ``arrival_time``,
+``priority``, ``tenant``, ``deadline`` (absolute, scheduler clock; None = none), ``max_tokens``,
+``is_running``, ``is_finished``, ``num_preemptions``, ``num_service_tokens`` (tokens computed for it so far,
+recomputation included) and ``service_s(now)`` (seconds it has spent running).
+
+Invariants a policy cannot break whatever it returns: the token budget, ``max_num_seqs``, block
+accounting, prefix-cache correctness, and liveness (a budget split gives prefill at least one
+token; keys only order, they never skip a request forever unless the policy keeps deferring it).
 """
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence, runtime_checkable
+from dataclasses import dataclass
+from operator import attrgetter
+from typing import TYPE_CHECKING, ClassVar, Protocol, Sequence, runtime_checkable
 
-from paged.core.engine.request import Request
+if TYPE_CHECKING:  # the view wraps the engine's Request; the contract only names it
+    from paged.core.engine.request import Request
+
+# A policy that keeps deferring stops admission for the step after this many deferrals: the
+# scheduler never scans an unbounded queue.
+MAX_DEFERRALS_PER_STEP = 32
+
+
+class RequestView:
+    """A read-only window on a request for policies (one per request, made once)."""
+
+    __slots__ = ("_request",)
+
+    def __init__(self, request: "Request") -> None:
+        self._request = request
+
+    def __repr__(self) -> str:
+        return f"RequestView({self._request.request_id!r})"
+
+    request_id = property(attrgetter("_request.request_id"))
+    num_prompt_tokens = property(lambda self: len(self._request.prompt_token_ids))
+    num_output_tokens = property(lambda self: len(self._request.output_token_ids))
+    num_tokens = property(lambda self: len(self._request.all_token_ids))
+    num_computed_tokens = property(attrgetter("_request.num_computed_tokens"))
+    num_cached_tokens = property(attrgetter("_request.num_cached_tokens"))
+    prefix_hit_tokens = property(attrgetter("_request.prefix_hit_tokens"))
+    arrival_time = property(attrgetter("_request.arrival_time"))
+    priority = property(attrgetter("_request.priority"))
+    tenant = property(attrgetter("_request.tenant"))
+    deadline = property(attrgetter("_request.deadline"))
+    max_tokens = property(attrgetter("_request.max_tokens"))
+    num_preemptions = property(attrgetter("_request.num_preemptions"))
+    num_service_tokens = property(attrgetter("_request.num_service_tokens"))
+    sort_key = property(attrgetter("_request.sort_key"))
+
+    @property
+    def is_finished(self) -> bool:
+        return self._request.status.finished
+
+    @property
+    def is_running(self) -> bool:
+        return self._request.running_since is not None
+
+    def service_s(self, now: float) -> float:
+        r = self._request
+        return r.running_s + (now - r.running_since if r.running_since is not None else 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """An admission decision. ``http_status`` (429 or 503) is what a rejected client gets."""
+
+    decision: str  # "accept" | "defer" | "reject"
+    reason: str = ""
+    http_status: int = 429
+
+    ACCEPT: ClassVar["Admission"]
+
+    @staticmethod
+    def defer(reason: str = "") -> "Admission":
+        return Admission("defer", reason)
+
+    @staticmethod
+    def reject(reason: str, http_status: int = 429) -> "Admission":
+        if http_status not in (429, 503):
+            raise ValueError(f"Admission.reject: http_status {http_status!r}; one of 429, 503")
+        return Admission("reject", reason, http_status)
+
+
+Admission.ACCEPT = Admission("accept")
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetState:
+    """What ``split_budget`` sees at the start of a step."""
+
+    now: float
+    token_budget: int  # max_num_batched_tokens
+    num_running: int
+    num_waiting: int
+    num_decoding: int  # running requests past their prompt (each wants one token)
+    kv_free_fraction: float
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetSplit:
+    """``prefill_tokens``: tokens prefill chunks may take this step (None: what decodes leave);
+    ``chunk_tokens``: the largest chunk one request gets (None: long_prefill_token_threshold)."""
+
+    prefill_tokens: int | None = None
+    chunk_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """What one step did, for ``on_step``. ``scheduled``: (request, prefill tokens, decode
+    tokens) for each scheduled request."""
+
+    now: float
+    token_budget: int  # max_num_batched_tokens
+    num_running: int
+    num_waiting: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_preemptions: int
+    num_deferred: int
+    num_rejected: int
+    kv_usage: float
+    scheduled: tuple[tuple[RequestView, int, int], ...]
 
 
 @runtime_checkable
 class SchedulingPolicy(Protocol):
+    """The minimum a policy defines; the other decision points are optional (see BasePolicy)."""
+
     name: str
     displaces_running: bool
 
-    def sort_key(self, request: Request) -> tuple: ...
+    def sort_key(self, request: RequestView) -> tuple: ...
 
-    def select_victim(self, candidates: Sequence[Request]) -> Request: ...
+    def select_victim(self, candidates: Sequence[RequestView]) -> RequestView: ...
 
 
 class BasePolicy:
-    """Convenience base: subclasses define ``sort_key``."""
+    """Convenience base with every decision point's default: subclasses define ``sort_key``."""
 
     name = "base"
     displaces_running = False
+    dynamic = False  # True: sort_key(request, now), recomputed every step
+    dynamic_waiting = True  # with dynamic: re-key the waiting queue too (False: running only)
+    uses_prefix_hits = False  # True: waiting requests' prefix_hit_tokens refreshed before re-keying
 
     def __init__(self, options=None) -> None:
         self.options = options
 
-    def sort_key(self, request: Request) -> tuple:
+    def sort_key(self, request: RequestView) -> tuple:
         raise NotImplementedError
 
-    def select_victim(self, candidates: Sequence[Request]) -> Request:
+    def select_victim(self, candidates: Sequence[RequestView]) -> RequestView:
         # Among equal keys the last one (candidates are in running order): a request never
         # preempts itself while an equal one behind it keeps running.
         return max(reversed(candidates), key=lambda r: r.sort_key)
+
+    def admit(self, request: RequestView, now: float) -> Admission:
+        return Admission.ACCEPT
+
+    def split_budget(self, state: BudgetState) -> BudgetSplit | None:
+        return None
+
+    def on_step(self, stats: StepStats) -> None:
+        return None
+
+
+def overrides(policy, method: str) -> bool:
+    """Whether ``policy`` defines ``method`` other than BasePolicy's default (so the scheduler
+    skips calling a default that does nothing)."""
+    impl = getattr(type(policy), method, None)
+    return impl is not None and impl is not getattr(BasePolicy, method)

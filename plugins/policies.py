@@ -1,4 +1,5 @@
-"""Bundled scheduling policies: ``fcfs`` (default) and ``priority``."""
+"""Bundled scheduling policies: ``fcfs`` (default) and ``priority`` here; the research policies
+``srpt``, ``fair``, ``cache-aware`` and ``slo`` in their own modules, registered here."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from paged.core.hookspecs import PolicySpec, hookimpl
 from paged.core.policy import BasePolicy
 from paged.core.engine.request import Request
+from paged.plugins.cache_aware import CacheAwareOptions, CacheAwarePolicy
+from paged.plugins.fair import FairOptions, FairPolicy
+from paged.plugins.slo import SLOOptions, SLOPolicy
+from paged.plugins.srpt import SRPTOptions, SRPTPolicy
 
 
 class FCFSPolicy(BasePolicy):
@@ -55,4 +60,8 @@ def register_policies():
     return [
         PolicySpec("fcfs", FCFSPolicy, None, "first come, first served"),
         PolicySpec("priority", PriorityPolicy, PriorityOptions, "lower priority value first; optional aging"),
+        PolicySpec("srpt", SRPTPolicy, SRPTOptions, "shortest remaining processing time first, with aging"),
+        PolicySpec("fair", FairPolicy, FairOptions, "per-tenant fairness by virtual token counters (VTC)"),
+        PolicySpec("cache-aware", CacheAwarePolicy, CacheAwareOptions, "longest cached prefix first, bounded window"),
+        PolicySpec("slo", SLOPolicy, SLOOptions, "earliest deadline first with admission control"),
     ]

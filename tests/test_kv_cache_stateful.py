@@ -23,13 +23,31 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, event, settings, target
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from paged.core.errors import InvalidRequestError
+from paged.core.errors import InvalidRequestError, RequestRejectedError
 from paged.core.engine.kv_cache_manager import KVCacheManager
 from paged.core.utils import cdiv
 from paged.core.engine.request import Request, RequestStatus
 from paged.core.sampling_params import SamplingParams
 from paged.core.engine.scheduler import Scheduler
+from paged.plugins.cache_aware import CacheAwarePolicy
+from paged.plugins.fair import FairOptions, FairPolicy
 from paged.plugins.policies import FCFSPolicy, PriorityOptions, PriorityPolicy
+from paged.plugins.slo import SLOOptions, SLOPolicy
+from paged.plugins.srpt import SRPTOptions, SRPTPolicy
+from adversarial_policy import AdversarialPolicy
+
+# Every bundled policy, some with options that exercise more of the contract, and a policy whose
+# every decision is random ("adversarial"): none may break an invariant.
+POLICIES = {
+    "fcfs": FCFSPolicy,
+    "priority": PriorityPolicy,
+    "priority-aging": lambda: PriorityPolicy(PriorityOptions(aging_s=3.0)),
+    "srpt": lambda: SRPTPolicy(SRPTOptions(aging_tokens_per_s=0.5, preemptive=True)),
+    "fair": lambda: FairPolicy(FairOptions(decode_weight=3.0)),
+    "cache-aware": CacheAwarePolicy,
+    "slo": lambda: SLOPolicy(SLOOptions(initial_step_time_s=0.3)),
+    "slo-defer": lambda: SLOPolicy(SLOOptions(initial_step_time_s=0.3, action="defer")),
+}
 
 ALPHABET = st.integers(0, 2)  # small, so prompts share prefixes
 STEM_ALPHABET = st.integers(0, 5)  # stems differ from each other early
@@ -64,12 +82,11 @@ class KVCacheMachine(RuleBasedStateMachine):
         if not chunked:  # whole prompts only: the budget must hold the longest sequence
             max_num_batched_tokens = max_model_len
             threshold = 0
-        if policy == "fcfs":
-            pol = FCFSPolicy()
-        elif policy == "priority":
-            pol = PriorityPolicy()
+        if policy == "adversarial":
+            pol = AdversarialPolicy(data.draw(st.integers(0, 2**16), label="seed"))
         else:
-            pol = PriorityPolicy(PriorityOptions(aging_s=3.0))
+            pol = POLICIES[policy]()
+        self.policy = pol
         self.kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
         self.bs = block_size
         self.sched = Scheduler(
@@ -80,6 +97,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             max_model_len=max_model_len,
             long_prefill_token_threshold=threshold,
             enable_chunked_prefill=chunked,
+            clock=lambda: self.clock,
         )
         # Prompts begin with a prefix of a stem: requests share full blocks, so hits are common.
         stem = st.lists(STEM_ALPHABET, min_size=max_model_len, max_size=max_model_len)
@@ -150,6 +168,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             ignore_eos=draw(st.booleans(), label="ignore_eos"),
             stop_token_ids=draw(st.sampled_from([[], [2]]), label="stop_token_ids"),
         )
+        deadline = draw(st.sampled_from([None, 0.5, 3.0, 50.0]), label="deadline")
         request = Request(
             rid,
             prompt,
@@ -159,6 +178,8 @@ class KVCacheMachine(RuleBasedStateMachine):
             cache_salt=salt,
             eos_token_id=EOS,
             max_tokens=max_tokens,
+            tenant=draw(st.sampled_from([None, "a", "b"]), label="tenant"),
+            deadline=None if deadline is None else self.clock + deadline,
         )
         total = len(prompt) + max_tokens
         too_long = total > self.sched.max_model_len
@@ -170,12 +191,18 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert in_use or too_long or too_big, str(e)
             assert rid in str(e) if in_use else str(total) in str(e)
             return
+        except RequestRejectedError as e:
+            # Only admission control turns requests away, with a reason and 429/503.
+            assert isinstance(self.policy, (AdversarialPolicy, SLOPolicy)) and str(e) and e.http_status in (429, 503)
+            assert rid not in self.sched.requests or in_use
+            return
         assert not (in_use or too_long or too_big)
         self.ended.discard(rid)
         assert request.status == RequestStatus.WAITING
 
     def _schedule_and_write(self):
         """One schedule(), checked, with the model's K/V writes applied to the shadow."""
+        self.clock += 0.25
         waiting = {r.request_id for r in self.sched.waiting}
         output = self.sched.schedule()
         self._check_output(output)
@@ -244,6 +271,11 @@ class KVCacheMachine(RuleBasedStateMachine):
         ids = [s.request.request_id for s in output.scheduled]
         assert len(ids) == len(set(ids))
         assert not set(ids) & set(output.preempted_request_ids), "preempted and scheduled in one step"
+        for r in output.rejected:
+            assert r.status == RequestStatus.FINISHED_REJECTED and r.reject_reason
+            assert r.request_id not in sched.requests and not self.kv.block_tables.get(r.request_id)
+            assert r.first_scheduled_time is None, "a request is only rejected before it first runs"
+            self.ended.add(r.request_id)
         for s in output.scheduled:
             r = s.request
             assert r.status == RequestStatus.RUNNING and r in sched.running
@@ -356,11 +388,15 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert len({b.block_id for t in kv.block_tables.values() for b in t}) <= kv.num_blocks
         if not sched.requests:
             assert pool.get_num_free_blocks() == pool.num_blocks
+        if isinstance(self.policy, AdversarialPolicy):  # the views it was given are read-only
+            assert self.policy.mutation_errors == self.policy.mutation_attempts
 
     def teardown(self):
         if not hasattr(self, "kv"):
             return
         # Liveness: everything admitted runs to completion (the model keeps producing tokens).
+        if isinstance(self.policy, AdversarialPolicy):
+            self.policy.calm = True  # a policy that defers forever starves by its own choice
         steps = 0
         while self.sched.has_unfinished_requests():
             steps += 1
@@ -403,3 +439,11 @@ TestPriorityCaching = _test_case("priority", True)
 TestPriorityNoCaching = _test_case("priority", False)
 TestPriorityAgingCaching = _test_case("priority-aging", True)
 TestPriorityAgingNoCaching = _test_case("priority-aging", False)
+# The research policies (caching on: cache-aware reads the prefix hits) and a random one.
+TestSRPTCaching = _test_case("srpt", True)
+TestFairCaching = _test_case("fair", True)
+TestCacheAwareCaching = _test_case("cache-aware", True)
+TestSLOCaching = _test_case("slo", True)
+TestSLODeferCaching = _test_case("slo-defer", True)
+TestAdversarialCaching = _test_case("adversarial", True)
+TestAdversarialNoCaching = _test_case("adversarial", False)

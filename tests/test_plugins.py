@@ -48,7 +48,7 @@ def test_bundled_plugins_register_through_the_entry_point_group():
     by_name = {p.name: p for p in registry.plugins}
     assert by_name["policies"].distribution == "paged"
     assert by_name["policies"].version
-    assert by_name["policies"].provides["policies"] == ["fcfs", "priority"]
+    assert by_name["policies"].provides["policies"] == ["fcfs", "priority", "srpt", "fair", "cache-aware", "slo"]
     assert "torch" in registry.attention_backends
     assert {"LlamaForCausalLM", "Qwen2ForCausalLM"} <= set(registry.models)
     assert all(p.status == "ok" for p in registry.plugins), [p.to_dict() for p in registry.plugins]
@@ -127,7 +127,7 @@ def test_allow_and_deny_lists(tmp_path, monkeypatch):
     _module_dir(tmp_path, monkeypatch, {"good_plugin": GOOD})
     eps = _eps(("good", "good_plugin"), ("policies", "paged.plugins.policies"))
     registry = load_plugins(eps, allow={"policies"}, deny=set())
-    assert set(registry.policies) == {"fcfs", "priority"}
+    assert set(registry.policies) == {"fcfs", "priority", "srpt", "fair", "cache-aware", "slo"}
     assert {p.name: p.status for p in registry.plugins}["good"] == "disabled"
     registry = load_plugins(eps, allow=None, deny={"policies"})
     assert set(registry.policies) == {"lifo"}

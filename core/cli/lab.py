@@ -95,6 +95,11 @@ def add_lab_parser(sub, common: argparse.ArgumentParser) -> None:
     gen.add_argument("--priority-classes", type=int, default=1, help="priorities 0 (highest) .. C-1")
     gen.add_argument("--priority-weights", type=_floats, default=None, help="share of each class, e.g. 0.2,0.8")
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--workload", choices=["multi-tenant", "shared-prefix", "heavy-tail", "deadline"], default=None,
+                     help="a named workload for the research policies (uses --num-requests, --rate, --seed, "
+                          "--num-prefixes, --prefix-len, --tenants, --flood; other shape flags are ignored)")
+    gen.add_argument("--tenants", type=int, default=4, help="multi-tenant: number of tenants")
+    gen.add_argument("--flood", type=float, default=10.0, help="multi-tenant: the flooding tenant's rate / each other's")
     gen.set_defaults(func=cmd_gen)
 
     replay = labsub.add_parser(
@@ -155,7 +160,14 @@ def add_lab_parser(sub, common: argparse.ArgumentParser) -> None:
 # --- commands ------------------------------------------------------------------------------------------
 def cmd_gen(args: argparse.Namespace) -> int:
     from paged.core.lab.trace import GeneratorSpec, generate_trace, write_trace
+    from paged.core.lab.workloads import WorkloadSpec, generate_workload
 
+    if args.workload is not None:
+        trace = generate_workload(WorkloadSpec(args.workload, args.num_requests, args.rate, args.seed, args.tenants,
+                                               args.flood, args.num_prefixes, args.prefix_len))  # fmt: skip
+        write_trace(args.out, trace)
+        _log(f"wrote {len(trace)} {args.workload} requests over {trace.requests[-1].arrival_s:.2f} s to {args.out}")
+        return 0
     spec = GeneratorSpec(
         num_requests=args.num_requests, rate=args.rate, arrival=args.arrival, burstiness=args.burstiness,
         prompt_len_median=args.prompt_len, prompt_len_sigma=args.prompt_len_sigma, prompt_len_min=args.prompt_len_min,

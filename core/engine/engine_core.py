@@ -19,7 +19,7 @@ from paged.core.engine.kv_cache_manager import KVCacheManager
 from paged.core.engine.outputs import EngineCoreOutput
 from paged.core.engine.request import Request, RequestStatus
 from paged.core.engine.scheduler import Scheduler, SchedulerOutput
-from paged.core.errors import InvalidRequestError
+from paged.core.errors import InvalidRequestError, RequestRejectedError
 from paged.core.loading.model_config import resolve_model
 
 logger = logging.getLogger("paged")
@@ -151,7 +151,12 @@ class EngineCore:
                 request.status = RequestStatus.FINISHED_ABORTED
                 failed.append(EngineCoreOutput(request_id, [], finish_reason="abort", arrival_time=request.arrival_time))
                 continue
-            self.scheduler.add_request(request)
+            try:
+                self.scheduler.add_request(request)  # the policy's admission control decides now
+            except RequestRejectedError as e:
+                request.status = RequestStatus.FINISHED_REJECTED
+                failed.append(EngineCoreOutput(request_id, [], finish_reason="rejected", arrival_time=request.arrival_time,
+                                               reject_reason=str(e)))  # fmt: skip
         return failed
 
     def step(self) -> list[EngineCoreOutput]:
@@ -178,6 +183,10 @@ class EngineCore:
         stats.num_preemptions += len(scheduler_output.preempted_request_ids)
         stats.kv_usage = self.kv_cache_manager.usage
         stats.peak_kv_usage = max(stats.peak_kv_usage, stats.kv_usage)
+        for request in scheduler_output.rejected:  # turned away by the policy before running
+            outputs.append(EngineCoreOutput(request.request_id, [], finish_reason=request.status.finish_reason,
+                                            arrival_time=request.arrival_time, finished_time=request.finished_time,
+                                            reject_reason=request.reject_reason))  # fmt: skip
         return failed + outputs if failed else outputs
 
     def shutdown(self) -> None:

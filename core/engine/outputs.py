@@ -14,7 +14,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 
     request_id: str
     new_token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "rejected" (by the policy, no tokens)
     stop_token_id: int | None = None
     logprobs: list[TokenLogprobs] = []  # one per new token, when asked for
     arrival_time: float = 0.0
@@ -23,6 +23,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finished_time: float | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    reject_reason: str | None = None  # with finish_reason "rejected": the policy's reason
 
     @classmethod
     def of(cls, request: Request, logprobs: TokenLogprobs | None = None) -> "EngineCoreOutput":

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from paged.core.policy import RequestView
 from paged.core.sampling_params import SamplingParams
 
 
@@ -17,10 +18,14 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"  # EOS, a stop token or a stop string
     FINISHED_LENGTH = "length"  # max_tokens or max_model_len
     FINISHED_ABORTED = "abort"
+    FINISHED_REJECTED = "rejected"  # the policy's admission control turned it away
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        return self in (
+            RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_REJECTED,
+        )
 
     @property
     def finish_reason(self) -> str | None:
@@ -43,6 +48,8 @@ class Request:
     cache_salt: str | None = None
     eos_token_id: int | None = None
     max_tokens: int = 16  # resolved against max_model_len when added to the engine
+    tenant: str | None = None  # who sent it (OpenAI ``user``), for fairness policies
+    deadline: float | None = None  # absolute, on the scheduler's clock; None = no deadline
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -56,6 +63,12 @@ class Request:
     grammar: Any = None
     # Set by the policy at admission; compared with < (lower runs first, higher is preempted).
     sort_key: tuple = ()
+    # Policy inputs the scheduler maintains (read through RequestView).
+    prefix_hit_tokens: int = 0  # tokens the prefix cache holds for it at the last lookup
+    num_service_tokens: int = 0  # tokens computed for it so far, recomputation included
+    running_s: float = 0.0  # seconds spent running before the current run
+    running_since: float | None = None  # start of the current run; None while not running
+    reject_reason: str = ""  # set with FINISHED_REJECTED
     # Timestamps for metrics.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -64,6 +77,7 @@ class Request:
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.all_token_ids = list(self.prompt_token_ids)
+        self.view = RequestView(self)  # what policies see
 
     @property
     def num_prompt_tokens(self) -> int:

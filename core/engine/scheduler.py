@@ -2,16 +2,22 @@
 
 One ``schedule()`` per engine step:
 
+0. *Policy state* (paged.core.policy): a dynamic policy's keys are recomputed (the running list
+   re-sorted; the waiting queue re-keyed when admission or displacement may happen), and the
+   policy's budget split for the step is read.
 1. *Displacement* (policies with ``displaces_running``): while the best waiting request sorts
    before the policy's victim among the running ones and cannot be admitted (batch full at
    ``max_num_seqs``, or too few free blocks), preempt that victim.
-2. *Running requests*, in policy order: each gets ``min(remaining, budget left,
-   long_prefill_token_threshold)`` tokens (1 for a decode). When its blocks cannot be allocated,
-   the policy picks a victim among the requests not yet scheduled this step (itself included)
-   and that victim is preempted, until the allocation succeeds or the request preempted itself.
+2. *Running requests*, in policy order: each gets ``min(remaining, budget left, chunk cap)``
+   tokens (1 for a decode); prefill chunks together take at most the split's prefill share.
+   When its blocks cannot be allocated, the policy picks a victim among the requests not yet
+   scheduled this step (itself included) and that victim is preempted, until the allocation succeeds or the request preempted itself.
 3. *Waiting requests*, in policy order, while budget, ``max_num_seqs`` and blocks allow; a
-   prefix-cache hit skips the cached tokens. Admission stops at the first that does not fit, or
-   at one displaced in step 1 (it would recompute from zero what it had just computed).
+   prefix-cache hit skips the cached tokens. A request's first admission asks the policy's
+   ``admit``: a deferred request waits (the next one tries), a rejected one finishes as
+   "rejected". Admission stops at the first that does not fit, or at one displaced in step 1 (it
+   would recompute from zero what it had just computed).
+4. The policy's ``on_step`` gets the step's stats.
 
 Preemption is by recompute: the victim frees its blocks, goes back to zero computed tokens and
 returns to the waiting queue at its policy position (prefix caching makes the recompute cheap).
@@ -22,19 +28,19 @@ sampled tokens, applies stop conditions and frees finished requests' blocks at o
 from __future__ import annotations
 
 import bisect
-import heapq
-import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from paged.core.errors import ConfigError, InvalidRequestError
+from paged.core.errors import ConfigError, InvalidRequestError, RequestRejectedError
 from paged.core.engine.kv_cache_manager import KVCacheManager
-from paged.core.utils import cdiv
-from paged.core.policy import SchedulingPolicy
 from paged.core.engine.outputs import EngineCoreOutput
+from paged.core.engine.policy_inputs import budget_split, step_stats
 from paged.core.engine.request import Request, RequestStatus
 from paged.core.engine.sampler import TokenLogprobs
+from paged.core.engine.waiting_queue import WaitingQueue
+from paged.core.policy import MAX_DEFERRALS_PER_STEP, Admission, SchedulingPolicy, overrides
+from paged.core.utils import cdiv
 
 
 @dataclass(slots=True)
@@ -61,6 +67,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
+    rejected: list[Request] = field(default_factory=list)  # turned away by the policy this step
     finished_request_ids: list[str] = field(default_factory=list)  # since the previous step
 
     @property
@@ -72,46 +79,6 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-class WaitingQueue:
-    """Requests waiting for admission, in policy order (a heap on ``request.sort_key``).
-    Removal is lazy: aborted requests are skipped when they reach the top. Membership is by
-    request object, not id: an id may be reused once its request has finished, and the stale
-    heap entry must not stand for the new request."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[tuple, int, Request]] = []
-        self._seq = itertools.count()
-        self._members: set[Request] = set()  # Request hashes by identity (eq=False)
-
-    def push(self, request: Request) -> None:
-        heapq.heappush(self._heap, (request.sort_key, next(self._seq), request))
-        self._members.add(request)
-
-    def _skip_removed(self) -> None:
-        while self._heap and self._heap[0][2] not in self._members:
-            heapq.heappop(self._heap)
-
-    def peek(self) -> Request | None:
-        self._skip_removed()
-        return self._heap[0][2] if self._heap else None
-
-    def pop(self) -> Request:
-        self._skip_removed()
-        request = heapq.heappop(self._heap)[2]
-        self._members.discard(request)
-        return request
-
-    def remove(self, request: Request) -> bool:
-        if request in self._members:
-            self._members.discard(request)
-            return True
-        return False
-
-    def __len__(self) -> int:
-        return len(self._members)
-
-    def __iter__(self):
-        return (r for _, _, r in sorted(self._heap) if r in self._members)
 
 
 class Scheduler:
@@ -124,8 +91,18 @@ class Scheduler:
         max_model_len: int,
         long_prefill_token_threshold: int = 0,
         enable_chunked_prefill: bool = True,
+        clock=time.monotonic,
     ) -> None:
         self.policy = policy
+        # Every timestamp the scheduler takes and every ``now`` a policy gets (the lab's simulator
+        # sets its virtual clock here).
+        self.clock = clock
+        self._dynamic = bool(getattr(policy, "dynamic", False))
+        self._dynamic_waiting = self._dynamic and bool(getattr(policy, "dynamic_waiting", True))
+        self._uses_prefix_hits = bool(getattr(policy, "uses_prefix_hits", False))
+        self._admit = policy.admit if overrides(policy, "admit") else None
+        self._split_budget = policy.split_budget if overrides(policy, "split_budget") else None
+        self._on_step = policy.on_step if overrides(policy, "on_step") else None
         self.kv = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
         self.max_num_seqs = max_num_seqs
@@ -160,7 +137,12 @@ class Scheduler:
             raise InvalidRequestError(f"request_id: {request.request_id!r} is already in use")
         self.check_request(request.num_prompt_tokens, request.max_tokens)
         request.status = RequestStatus.WAITING
-        request.sort_key = self.policy.sort_key(request)
+        now = self.clock()
+        if self._admit is not None:
+            decision = self._admit(request.view, now)
+            if isinstance(decision, Admission) and decision.decision == "reject":
+                raise RequestRejectedError(decision.reason or "rejected by the scheduling policy", decision.http_status)
+        request.sort_key = self._key(request, now)
         self.requests[request.request_id] = request
         self.waiting.push(request)
 
@@ -181,8 +163,27 @@ class Scheduler:
             out.append(request)
         return out
 
+    def _key(self, request: Request, now: float) -> tuple:
+        if self._dynamic:
+            return self.policy.sort_key(request.view, now)
+        return self.policy.sort_key(request.view)
+
+    def _victim(self, candidates: list[Request]) -> Request:
+        """The policy's victim among ``candidates``; the largest key if it names another."""
+        chosen = self.policy.select_victim([r.view for r in candidates])
+        request = getattr(chosen, "_request", chosen)
+        if not any(request is r for r in candidates):
+            request = max(reversed(candidates), key=_sort_key)
+        return request
+
+    def _stop_running(self, request: Request, now: float) -> None:
+        if request.running_since is not None:
+            request.running_s += now - request.running_since
+            request.running_since = None
+
     def _free(self, request: Request) -> None:
-        request.finished_time = time.monotonic()
+        request.finished_time = now = self.clock()
+        self._stop_running(request, now)
         self.kv.free(request)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
@@ -194,6 +195,10 @@ class Scheduler:
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
         self.running.remove(request)
         self.kv.free(request)
+        now = self.clock()
+        self._stop_running(request, now)
+        if self._dynamic and not self._dynamic_waiting:
+            request.sort_key = self._key(request, now)  # its place in the queue from now on
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -201,12 +206,26 @@ class Scheduler:
         self.waiting.push(request)  # same sort_key: back at its place in the order
         output.preempted_request_ids.append(request.request_id)
 
-    def _chunk(self, request: Request, budget: int, num_computed: int) -> int:
+    def _chunk(self, request: Request, budget: int, num_computed: int, cap: int | None = None) -> int:
         """Tokens to schedule for ``request`` after its first ``num_computed`` tokens."""
         n = min(request.num_tokens - num_computed, budget)
-        if self.long_prefill_token_threshold:
-            n = min(n, self.long_prefill_token_threshold)
+        cap = self.long_prefill_token_threshold if cap is None else cap
+        if cap:
+            n = min(n, cap)
         return n
+
+    def _reject(self, request: Request, decision: Admission, output: SchedulerOutput) -> None:
+        request.status = RequestStatus.FINISHED_REJECTED
+        request.reject_reason = decision.reason or "rejected by the scheduling policy"
+        self._free(request)
+        output.rejected.append(request)
+
+    def _rekey_waiting(self, now: float) -> None:
+        if self._uses_prefix_hits:
+            for request in self.waiting:
+                request.prefix_hit_tokens = self.kv.get_computed_blocks(request, record_stats=False)[1]
+        key = self.policy.sort_key
+        self.waiting.rekey(lambda r: key(r.view, now))
 
     def _displace(self, output: SchedulerOutput) -> None:
         while self.running:
@@ -215,7 +234,7 @@ class Scheduler:
             # request sorts before no victim (the common case, checked in O(1)).
             if head is None or not head.sort_key < self.running[-1].sort_key:
                 return
-            victim = self.policy.select_victim(self.running)
+            victim = self._victim(self.running)
             if not head.sort_key < victim.sort_key:
                 return
             if len(self.running) < self.max_num_seqs:
@@ -228,30 +247,41 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = []
+        now = self.clock()
+        rekeyed = False
+        if self._dynamic:
+            for request in self.running:
+                request.sort_key = self.policy.sort_key(request.view, now)
+            self.running.sort(key=_sort_key)
         if self.policy.displaces_running:
+            if self._dynamic_waiting:
+                self._rekey_waiting(now)
+                rekeyed = True
             self._displace(output)
         num_displaced = len(output.preempted_request_ids)
         budget = self.max_num_batched_tokens
-        now = time.monotonic()
+        prefill_left, threshold = budget_split(self, now)
 
         # Running requests, in order; victims come from those not yet scheduled (index >= i).
-        threshold = self.long_prefill_token_threshold
         scheduled = output.scheduled
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             # _chunk, inlined: this loop runs for every running request at every step.
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if threshold and num_new > threshold:
-                num_new = threshold
-            if num_new <= 0:  # waiting for tokens that another step produces
+            if num_new > 1:  # a prefill chunk: capped by the chunk size and the prefill share
+                if threshold and num_new > threshold:
+                    num_new = threshold
+                if prefill_left is not None and num_new > prefill_left:
+                    num_new = prefill_left
+            if num_new <= 0:  # waiting for tokens that another step produces, or no prefill share left
                 i += 1
                 continue
             while True:
                 new_blocks = self.kv.allocate_slots(request, num_new)
                 if new_blocks is not None:
                     break
-                victim = self.policy.select_victim(self.running[i:])
+                victim = self._victim(self.running[i:])
                 self._preempt(victim, output)
                 if victim is request:
                     break
@@ -260,7 +290,10 @@ class Scheduler:
             new_block_ids = [b.block_id for b in new_blocks] if new_blocks else []  # mostly empty
             scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new, new_block_ids))
             request.num_computed_tokens += num_new
+            request.num_service_tokens += num_new
             budget -= num_new
+            if prefill_left is not None and num_new > 1:
+                prefill_left -= num_new
             i += 1
 
         # Waiting requests, while budget, seats and blocks allow; none after a preemption in the
@@ -268,15 +301,33 @@ class Scheduler:
         # request displaced this step on (re-admitting it would throw away the tokens it had
         # computed for a chunk of the same or fewer; what sorts after it must not overtake it).
         preempted_in_running_loop = len(output.preempted_request_ids) > num_displaced
+        can_admit = budget > 0 and len(self.running) < self.max_num_seqs and not preempted_in_running_loop
+        if can_admit and self._dynamic_waiting and not rekeyed and len(self.waiting):
+            self._rekey_waiting(now)
+        deferred: list[Request] = []
         displaced = output.preempted_request_ids[:num_displaced]
         while budget > 0 and len(self.running) < self.max_num_seqs and not preempted_in_running_loop:
+            if prefill_left is not None and prefill_left <= 0:
+                break
             request = self.waiting.peek()
             if request is None or (displaced and request.request_id in displaced):
                 break
+            if self._admit is not None and request.first_scheduled_time is None:
+                decision = self._admit(request.view, now)
+                if isinstance(decision, Admission) and decision.decision == "reject":
+                    self.waiting.pop()
+                    self._reject(request, decision, output)
+                    continue
+                if isinstance(decision, Admission) and decision.decision == "defer":
+                    deferred.append(self.waiting.pop())
+                    if len(deferred) >= MAX_DEFERRALS_PER_STEP:
+                        break
+                    continue
             # allocate_slots counts the hits on top of num_computed_tokens, which stays 0 until
             # the request is admitted.
             computed_blocks, num_cached = self.kv.get_computed_blocks(request, record_stats=False)
-            num_new = self._chunk(request, budget, num_cached)
+            step_budget = budget if prefill_left is None else min(budget, prefill_left)
+            num_new = self._chunk(request, step_budget, num_cached, threshold)
             if not self.enable_chunked_prefill and num_new < request.num_tokens - num_cached:
                 break
             new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks)
@@ -289,12 +340,20 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
             request.status = RequestStatus.RUNNING
+            request.running_since = now
             bisect.insort(self.running, request, key=_sort_key)
             output.scheduled.append(
                 ScheduledRequest(request, num_cached, num_new, [b.block_id for b in computed_blocks + new_blocks])
             )
             request.num_computed_tokens = num_cached + num_new
+            request.num_service_tokens += num_new
             budget -= num_new
+            if prefill_left is not None:
+                prefill_left -= num_new
+        for request in deferred:
+            self.waiting.push(request)
+        if self._on_step is not None:
+            self._on_step(step_stats(self, output, now, len(deferred)))
         return output
 
     def update_from_output(
@@ -304,7 +363,7 @@ class Scheduler:
         Returns the step's outputs: one per request that received a token (finished ones
         included), with its ``logprobs`` entry when there is one."""
         updated = []
-        now = time.monotonic()
+        now = self.clock()
         running = RequestStatus.RUNNING
         for scheduled in output.scheduled:
             if not scheduled.is_sampled:  # still in prefill: no token, whatever the runner sent

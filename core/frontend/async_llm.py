@@ -43,7 +43,7 @@ from paged.core.ipc.messages import (
     UtilityResult,
     request_to_wire,
 )
-from paged.core.errors import InvalidRequestError, PagedError
+from paged.core.errors import InvalidRequestError, PagedError, RequestRejectedError
 from paged.core.frontend.outputs import RequestOutput
 from paged.core.frontend.processor import InputProcessor, OutputProcessor, structured_output_validator
 from paged.core.sampling_params import SamplingParams
@@ -213,9 +213,12 @@ class AsyncLLM:
         cache_salt: str | None = None,
         add_special_tokens: bool = True,
         prompt_token_ids: list[int] | None = None,
+        tenant: str | None = None,
+        deadline_s: float | None = None,
     ) -> RequestStream:
         """Validate and send a request to the core. Raises InvalidRequestError (nothing sent) or
-        EngineDeadError at once; a rejection by the core comes out of the stream. A text prompt's
+        EngineDeadError at once; a rejection by the core (RequestRejectedError when the policy's
+        admission control turns it away) comes out of the stream. A text prompt's
         ``prompt_token_ids``, when given, were tokenized by the caller (off the event loop)."""
         self._check_alive()
         self._ensure_handler()
@@ -224,7 +227,7 @@ class AsyncLLM:
             raise InvalidRequestError(f"request_id: {request_id!r} is already in use")
         parent, requests = self.input_processor.process(
             request_id, prompt, params or SamplingParams(), priority, arrival_time, cache_salt, add_special_tokens,
-            prompt_token_ids,
+            prompt_token_ids=prompt_token_ids, tenant=tenant, deadline_s=deadline_s,
         )
         stream = RequestStream(self, request_id)
         self.streams[request_id] = stream
@@ -374,7 +377,10 @@ class AsyncLLM:
                     parent_id = self._child_parent.get(msg.request_id)
                     stream = self.streams.get(parent_id) if parent_id is not None else None
                     if stream is not None:
-                        err = InvalidRequestError(msg.message) if msg.invalid else PagedError(msg.message)
+                        if msg.http_status:
+                            err = RequestRejectedError(msg.message, msg.http_status)
+                        else:
+                            err = InvalidRequestError(msg.message) if msg.invalid else PagedError(msg.message)
                         stream._put(err)
                     if parent_id is not None:
                         self.abort(parent_id)

@@ -70,13 +70,20 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         priority: Sequence[int] | None = None,
+        tenant: str | Sequence[str | None] | None = None,
+        deadline_s: float | Sequence[float | None] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text, or token ids); outputs come back in input order."""
+        """Generate for each prompt (text, or token ids); outputs come back in input order.
+        ``tenant`` (who sends it) and ``deadline_s`` (seconds to finish) are for the scheduling
+        policy: one value, or one per prompt. A request the policy's admission control turns away
+        raises RequestRejectedError when it arrives, or finishes with finish_reason "rejected"."""
         prompt_list = _as_prompt_list(prompts)
-        params_list = _broadcast(sampling_params or self.get_default_sampling_params(), len(prompt_list), "sampling_params")
-        priorities = _broadcast(priority if priority is not None else 0, len(prompt_list), "priority")
-        return self._run(prompt_list, params_list, priorities, use_tqdm, add_special_tokens=True)
+        n = len(prompt_list)
+        params_list = _broadcast(sampling_params or self.get_default_sampling_params(), n, "sampling_params")
+        priorities = _broadcast(priority if priority is not None else 0, n, "priority")
+        metadata = list(zip(_broadcast(tenant, n, "tenant"), _broadcast(deadline_s, n, "deadline_s")))
+        return self._run(prompt_list, params_list, priorities, use_tqdm, add_special_tokens=True, metadata=metadata)
 
     def chat(
         self,
@@ -92,12 +99,15 @@ class LLM:
         params_list = _broadcast(sampling_params or self.get_default_sampling_params(), len(prompts), "sampling_params")
         return self._run(prompts, params_list, [0] * len(prompts), use_tqdm, add_special_tokens=False)
 
-    def _run(self, prompts, params_list, priorities, use_tqdm: bool, add_special_tokens: bool) -> list[RequestOutput]:
+    def _run(self, prompts, params_list, priorities, use_tqdm: bool, add_special_tokens: bool,
+             metadata=None) -> list[RequestOutput]:  # fmt: skip
         engine = self.engine
         ids = []
+        metadata = metadata or [(None, None)] * len(prompts)
         try:
-            for prompt, params, prio in zip(prompts, params_list, priorities):
-                ids.append(engine.add_request(None, prompt, params, priority=prio, add_special_tokens=add_special_tokens))
+            for prompt, params, prio, (tenant, deadline_s) in zip(prompts, params_list, priorities, metadata):
+                ids.append(engine.add_request(None, prompt, params, priority=prio, add_special_tokens=add_special_tokens,
+                                              tenant=tenant, deadline_s=deadline_s))  # fmt: skip
         except Exception:
             engine.abort_request(ids)
             raise

@@ -70,13 +70,18 @@ class LLMEngine:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         add_special_tokens: bool = True,
+        tenant: str | None = None,
+        deadline_s: float | None = None,
     ) -> str:
-        """Validate and queue a request; raises InvalidRequestError (nothing is queued then)."""
+        """Validate and queue a request; raises InvalidRequestError, or RequestRejectedError when
+        the policy's admission control turns it away (nothing is queued then). ``tenant``: who
+        sent it (fairness policies); ``deadline_s``: seconds after arrival by which it should finish."""
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.output_processor.parents:
             raise InvalidRequestError(f"request_id: {request_id!r} is already in use")
         parent, requests = self.input_processor.process(
-            request_id, prompt, params or SamplingParams(), priority, arrival_time, cache_salt, add_special_tokens
+            request_id, prompt, params or SamplingParams(), priority, arrival_time, cache_salt, add_special_tokens,
+            tenant=tenant, deadline_s=deadline_s,
         )
         added = []
         try:

@@ -6,6 +6,7 @@ Used by the in-process ``LLMEngine`` and by the serving front-end alike.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -109,6 +110,8 @@ class InputProcessor:
         cache_salt: str | None = None,
         add_special_tokens: bool = True,
         prompt_token_ids: list[int] | None = None,
+        tenant: str | None = None,
+        deadline_s: float | None = None,
     ) -> tuple[ParentRequest, list[Request]]:
         """Validate and build the core requests (n of them); raises InvalidRequestError.
         ``prompt_token_ids``: a text prompt's tokens when the caller has them already."""
@@ -129,12 +132,14 @@ class InputProcessor:
             self.validate_structured_output(params.structured_output)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority: invalid value {priority!r}; must be an integer")
+        check_request_metadata(tenant, deadline_s)
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = max(self.info.max_model_len - len(token_ids), 1)
         info = self.info
         check_request_fits(len(token_ids), max_tokens, info.max_model_len, info.num_blocks, info.block_size)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        deadline = None if deadline_s is None else arrival_time + float(deadline_s)
         eos = self.info.eos_token_ids[0] if self.info.eos_token_ids else None
         extra_stop = [] if params.ignore_eos else [t for t in self.info.eos_token_ids[1:] if t not in params.stop_token_ids]
         parent = ParentRequest(request_id, text, token_ids)
@@ -147,7 +152,8 @@ class InputProcessor:
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
             requests.append(
                 Request(child_id, token_ids, child_params, arrival_time=arrival_time, priority=priority,
-                        cache_salt=cache_salt, eos_token_id=eos, max_tokens=max_tokens)
+                        cache_salt=cache_salt, eos_token_id=eos, max_tokens=max_tokens, tenant=tenant,
+                        deadline=deadline)
             )
             parent.children.append(
                 _Child(
@@ -210,6 +216,8 @@ class OutputProcessor:
                 delta += child.detokenizer.finalize()
                 out.finish_reason = core_out.finish_reason
                 out.stop_reason = core_out.stop_token_id if core_out.stop_token_id in child.stop_token_ids else None
+                if core_out.finish_reason == "rejected":  # turned away by the policy: why, for the client
+                    out.stop_reason = core_out.reject_reason
             out.text += delta
             out.new_text += delta
             out.metrics = RequestMetrics(
@@ -253,3 +261,16 @@ def _snapshot(parent: ParentRequest) -> RequestOutput:
         parent.request_id, parent.prompt, parent.prompt_token_ids, completions,
         finished=parent.finished, metrics=completions[0].metrics,
     )
+
+
+MAX_TENANT_LEN = 256
+
+
+def check_request_metadata(tenant, deadline_s) -> None:
+    """The scheduling metadata of a request: ``tenant`` (the OpenAI ``user``) and ``deadline_s``
+    (seconds after arrival by which it should finish). Raises InvalidRequestError naming the field."""
+    if tenant is not None and (not isinstance(tenant, str) or len(tenant) > MAX_TENANT_LEN):
+        raise InvalidRequestError(f"user: invalid value {tenant!r}; must be a string of at most {MAX_TENANT_LEN} characters")
+    if deadline_s is not None and (isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float))
+                                   or not math.isfinite(deadline_s) or deadline_s <= 0):  # fmt: skip
+        raise InvalidRequestError(f"deadline_s: invalid value {deadline_s!r}; must be a number of seconds > 0")

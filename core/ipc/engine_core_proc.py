@@ -46,7 +46,7 @@ import msgspec
 import zmq
 
 from paged.core.engine.child_process import is_orphaned, read_config_from_stdin
-from paged.core.errors import PagedError
+from paged.core.errors import PagedError, RequestRejectedError
 from paged.core.ipc.messages import (
     AbortRequests,
     AddRequest,
@@ -132,6 +132,8 @@ class EngineCoreProc:
             try:
                 core.add_request(request_from_wire(msg))
                 self.num_requests_added += 1
+            except RequestRejectedError as e:
+                self.out_q.put(RequestFailed(msg.request_id, str(e), invalid=False, http_status=e.http_status))
             except PagedError as e:
                 self.out_q.put(RequestFailed(msg.request_id, str(e), invalid=isinstance(e, ValueError)))
             except Exception as e:  # a bad request must not take the core down

@@ -37,6 +37,8 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     cache_salt: str | None = None
     eos_token_id: int | None = None
     max_tokens: int = 16
+    tenant: str | None = None
+    deadline: float | None = None  # absolute, time.monotonic() (the same clock in every process)
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -74,6 +76,7 @@ class RequestFailed(msgspec.Struct, tag="failed", array_like=True):
     request_id: str
     message: str
     invalid: bool = True  # an InvalidRequestError (the client's fault) rather than an internal error
+    http_status: int = 0  # 429 / 503: the policy's admission control rejected it (RequestRejectedError)
 
 
 class CoreFailed(msgspec.Struct, tag="dead", array_like=True):
@@ -87,7 +90,8 @@ def request_to_wire(request) -> AddRequest:
     """A ``paged.core.engine.request.Request`` (as the InputProcessor builds it) as an AddRequest."""
     return AddRequest(
         request.request_id, list(request.prompt_token_ids), request.sampling_params, request.arrival_time,
-        request.priority, request.cache_salt, request.eos_token_id, request.max_tokens,
+        request.priority, request.cache_salt, request.eos_token_id, request.max_tokens, request.tenant,
+        request.deadline,
     )
 
 
@@ -95,6 +99,7 @@ def request_from_wire(msg: AddRequest):
     return Request(
         msg.request_id, msg.prompt_token_ids, msg.sampling_params, arrival_time=msg.arrival_time,
         priority=msg.priority, cache_salt=msg.cache_salt, eos_token_id=msg.eos_token_id, max_tokens=msg.max_tokens,
+        tenant=msg.tenant, deadline=msg.deadline,
     )
 
 

@@ -21,16 +21,9 @@ import random
 from typing import Any, Callable
 
 from paged.core.lab.cost import CostModel, fit_cost_model
-from paged.core.lab.replay import (
-    EngineExecutor,
-    PolicyRun,
-    ReplayResult,
-    SimExecutor,
-    SimSettings,
-    materialize,
-    run_replay,
-    engine_settings,
-)
+from paged.core.lab.driver import run_replay
+from paged.core.lab.executors import EngineExecutor, SimExecutor, SimSettings, engine_settings
+from paged.core.lab.records import PolicyRun, ReplayResult, materialize
 from paged.core.lab.trace import GeneratorSpec, Trace, TraceRequest, generate_trace
 
 logger = logging.getLogger("paged")

@@ -9,6 +9,13 @@ side-by-side text table of several replays.
   requests that attain them, ``goodput`` those requests per second of span.
 - preemptions: of the requests (a class's are its requests'); prefix-cache hit rate: prompt tokens
   found in the cache at first admission / prompt tokens.
+- deadlines: a request with a trace ``deadline_s`` attains its SLO only if it also finishes within
+  it; ``deadline_met`` is the share of requests with a deadline that finish in time. ``rejected``:
+  requests the policy's admission control turned away (they attain nothing).
+- tenants: the figures per tenant, and Jain's fairness index over tenants' service,
+  ``(sum x)^2 / (n sum x^2)`` with ``x`` = tokens served to a tenant up to the last arrival (while
+  every tenant could still ask for more) / its max-min fair share of those tokens given what it
+  asked for (water-filling). 1 = every tenant got its fair share; 1/n = one tenant got everything.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Sequence
 
-from paged.core.lab.replay import ReplayResult, RequestRecord
+from paged.core.lab.records import ReplayResult, RequestRecord
 
 
 def _stats(values: Sequence[float]) -> dict[str, float | None]:
@@ -29,7 +36,7 @@ def _stats(values: Sequence[float]) -> dict[str, float | None]:
 
 
 def meets_slo(r: RequestRecord, slo_ttft: float | None, slo_tpot: float | None) -> bool:
-    if r.finished is None:
+    if r.finished is None or r.met_deadline is False:
         return False
     if slo_ttft is not None and (r.ttft is None or r.ttft > slo_ttft):
         return False
@@ -45,6 +52,7 @@ def summarize_requests(records: Iterable[RequestRecord], span: float, slo_ttft: 
     output_tokens = sum(r.num_generated for r in done)
     prompt_tokens = sum(r.prompt_len for r in done)
     met = sum(1 for r in done if meets_slo(r, slo_ttft, slo_tpot))
+    with_deadline = [r for r in records if r.deadline_s is not None]
     span = span if span > 0 else math.nan
     return {
         "requests": len(records),
@@ -58,6 +66,8 @@ def summarize_requests(records: Iterable[RequestRecord], span: float, slo_ttft: 
         "total_throughput": (output_tokens + prompt_tokens) / span,
         "slo_attainment": met / len(records) if records else None,
         "goodput": met / span,
+        "deadline_met": sum(1 for r in with_deadline if r.met_deadline) / len(with_deadline) if with_deadline else None,
+        "rejected": sum(1 for r in records if r.rejected is not None),
         "preemptions": sum(r.num_preemptions for r in records),
         "prefix_cache_hit_rate": sum(r.num_cached_tokens for r in done) / prompt_tokens if prompt_tokens else 0.0,
     }
@@ -71,10 +81,51 @@ def span_of(result: ReplayResult) -> float:
     return max(ends) - min(arrivals)
 
 
+def max_min_fair_shares(demands: dict[str, float], capacity: float) -> dict[str, float]:
+    """Water-filling: each tenant gets min(its demand, an equal share of what the smaller
+    demands leave)."""
+    shares: dict[str, float] = {}
+    left, pending = capacity, sorted(demands, key=demands.get)
+    while pending:
+        equal = left / len(pending)
+        tenant = pending[0]
+        if demands[tenant] <= equal:
+            shares[tenant] = demands[tenant]
+            left -= demands[tenant]
+            pending.pop(0)
+        else:
+            for tenant in pending:
+                shares[tenant] = equal
+            break
+    return shares
+
+
+def jain_index(values: Sequence[float]) -> float | None:
+    values = list(values)
+    square_sum = sum(v * v for v in values)
+    return sum(values) ** 2 / (len(values) * square_sum) if values and square_sum > 0 else None
+
+
+def tenant_fairness(records: Sequence[RequestRecord]) -> float | None:
+    """Jain's index over tenants' service / max-min fair share (see the module docstring)."""
+    demand: dict[str, float] = {}
+    served: dict[str, float] = {}
+    for r in records:
+        tenant = r.tenant or ""
+        demand[tenant] = demand.get(tenant, 0.0) + r.prompt_len + r.output_len
+        served[tenant] = served.get(tenant, 0.0) + r.service_tokens
+    if len(demand) < 2:
+        return None
+    shares = max_min_fair_shares(demand, sum(served.values()))
+    return jain_index([served[t] / shares[t] for t in demand if shares[t] > 0])
+
+
 def summarize(result: ReplayResult, slo_ttft: float | None = None, slo_tpot: float | None = None) -> dict[str, Any]:
-    """``{"all": {...}, "classes": {priority: {...}}, ...}`` for one replay."""
+    """``{"all": {...}, "classes": {priority: {...}}, "tenants": {tenant: {...}}, ...}`` for one
+    replay (tenants only when the trace names more than one)."""
     span = span_of(result)
     classes = sorted({r.priority for r in result.requests})
+    tenants = sorted({r.tenant or "" for r in result.requests})
     return {
         "label": result.label,
         "mode": result.mode,
@@ -88,6 +139,11 @@ def summarize(result: ReplayResult, slo_ttft: float | None = None, slo_tpot: flo
             str(c): summarize_requests([r for r in result.requests if r.priority == c], span, slo_ttft, slo_tpot)
             for c in classes
         },
+        "tenants": {
+            t: summarize_requests([r for r in result.requests if (r.tenant or "") == t], span, slo_ttft, slo_tpot)
+            for t in (tenants if len(tenants) > 1 else [])
+        },
+        "jain_service": tenant_fairness(result.requests),
     }
 
 
@@ -109,10 +165,15 @@ ROWS: list[tuple[str, str, str]] = [
     ("output tok/s", "output_throughput", "f"),
     ("total tok/s", "total_throughput", "f"),
     ("SLO attainment", "slo_attainment", "%"),
+    ("deadline met", "deadline_met", "%"),
+    ("rejected", "rejected", "int"),
     ("goodput req/s", "goodput", "f"),
     ("preemptions", "preemptions", "int"),
     ("prefix hit rate", "prefix_cache_hit_rate", "%"),
 ]
+
+
+TENANT_ROWS = [row for row in ROWS if row[0] in ("requests", "TTFT p50", "TTFT p99", "e2e p50", "e2e p99", "rejected")]
 
 
 def _get(block: dict[str, Any], path: str) -> Any:
@@ -136,7 +197,8 @@ def fmt(value: Any, kind: str) -> str:
 
 
 def table_rows(summaries: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    """(header, rows): one column per replay, a section per scope (all, then each class)."""
+    """(header, rows): one column per replay, a section per scope (all, then each class, then
+    each tenant with fewer rows)."""
     header = ["metric"] + [s["label"] for s in summaries]
     scopes = ["all"] + sorted({c for s in summaries for c in s["classes"]}, key=int)
     multi_class = len(scopes) > 2
@@ -149,6 +211,13 @@ def table_rows(summaries: Sequence[dict[str, Any]]) -> tuple[list[str], list[lis
         for label, path, kind in ROWS:
             values = [_get(s["all"] if scope == "all" else s["classes"].get(scope), path) for s in summaries]
             rows.append([label] + [fmt(v, kind) for v in values])
+    for tenant in sorted({t for s in summaries for t in s.get("tenants", {})}):
+        rows.append([f"[tenant {tenant or '(none)'}]"] + [""] * len(summaries))
+        for label, path, kind in TENANT_ROWS:
+            values = [_get(s["tenants"].get(tenant), path) for s in summaries]
+            rows.append([label] + [fmt(v, kind) for v in values])
+    if any(s.get("jain_service") is not None for s in summaries):
+        rows.append(["Jain's index (service)"] + [fmt(s.get("jain_service"), "f") for s in summaries])
     rows.append(["[engine]"] + [""] * len(summaries))
     rows.append(["steps"] + [str(s["steps"]) for s in summaries])
     rows.append(["span"] + [fmt(s["span_s"], "s") for s in summaries])

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 from paged.core.errors import PagedError
 from paged.core.lab.metrics import format_table, table_rows
-from paged.core.lab.replay import ReplayResult
+from paged.core.lab.records import ReplayResult
 
 
 def _pyplot():

@@ -23,7 +23,9 @@ Request fields (only ``arrival_s`` and one prompt field are required):
 - ``sampling``: other SamplingParams fields (temperature, top_p, seed, ...), used by real replays;
   ``n > 1`` is replayed as n requests with the same prompt.
 - ``priority`` (int, lower runs first, default 0), ``cache_salt`` (str), ``id`` (str; default
-  ``r<line index>``). Unknown fields are errors.
+  ``r<line index>``), ``tenant`` (str: who sent it, for fairness policies and per-tenant figures),
+  ``deadline_s`` (seconds after arrival by which it should finish, > 0; scaled with the arrival
+  times). Unknown fields are errors.
 
 The header (optional, the first line only) is any object with ``"paged_trace": <version>``; its
 ``seed`` (default 0) seeds the token ids of length-only prompts.
@@ -48,7 +50,7 @@ TOKEN_LOW, TOKEN_HIGH = 100, 32000
 
 _REQUEST_FIELDS = {
     "id", "arrival_s", "prompt", "prompt_token_ids", "prompt_len", "prefix", "output_len", "max_tokens",
-    "sampling", "priority", "cache_salt",
+    "sampling", "priority", "cache_salt", "tenant", "deadline_s",
 }  # fmt: skip
 
 
@@ -69,6 +71,8 @@ class TraceRequest:
     sampling: dict[str, Any] = field(default_factory=dict)
     priority: int = 0
     cache_salt: str | None = None
+    tenant: str | None = None
+    deadline_s: float | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -89,8 +93,9 @@ class TraceRequest:
         if self.sampling:
             out["sampling"] = self.sampling
         out["priority"] = self.priority
-        if self.cache_salt is not None:
-            out["cache_salt"] = self.cache_salt
+        for name in ("cache_salt", "tenant", "deadline_s"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
         return out
 
     @classmethod
@@ -133,11 +138,19 @@ class TraceRequest:
         salt = data.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
             raise bad("cache_salt", "must be a string")
+        tenant = data.get("tenant")
+        if tenant is not None and not isinstance(tenant, str):
+            raise bad("tenant", "must be a string")
+        deadline = data.get("deadline_s")
+        if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
+                                     or not math.isfinite(deadline) or deadline <= 0):  # fmt: skip
+            raise bad("deadline_s", "must be a number of seconds > 0")
         rid = data.get("id")
         return cls(
             arrival_s=float(arrival), id=None if rid is None else str(rid), prompt=prompt,
             prompt_token_ids=ids, prompt_len=length, prefix=prefix, output_len=data.get("output_len"),
             max_tokens=data.get("max_tokens"), sampling=dict(sampling), priority=priority, cache_salt=salt,
+            tenant=tenant, deadline_s=None if deadline is None else float(deadline),
         )  # fmt: skip
 
 

@@ -179,12 +179,12 @@ def build_app(config: EngineConfig, start_timeout: float = 600.0,
     @app.post("/v1/completions")
     async def completions_route(request: Request):
         body = await read_json(request, config.server.max_body_bytes)
-        return await unless_disconnected(request, completions(state, body))
+        return await unless_disconnected(request, completions(state, body, request.headers.get("x-paged-tenant")))
 
     @app.post("/v1/chat/completions")
     async def chat_completions_route(request: Request):
         body = await read_json(request, config.server.max_body_bytes)
-        return await unless_disconnected(request, chat(state, body))
+        return await unless_disconnected(request, chat(state, body, request.headers.get("x-paged-tenant")))
 
     return app
 

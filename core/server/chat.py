@@ -77,7 +77,7 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-async def chat(state: ServerState, body: Any) -> Response:
+async def chat(state: ServerState, body: Any, tenant: str | None = None) -> Response:
     try:
         req: ChatCompletionRequest = accept(state, ChatCompletionRequest, body)
         llm = state.require_llm()
@@ -119,4 +119,5 @@ async def chat(state: ServerState, body: Any) -> Response:
         return from_exception(e).response()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await respond(state, ChatFormat(state.tokens, shaper), f"chatcmpl-{uuid.uuid4().hex}", [prompt], params,
-                         req.priority, False, req.stream, include_usage, state.config.server.chat_default_max_tokens)
+                         req.priority, False, req.stream, include_usage, state.config.server.chat_default_max_tokens,
+                         tenant=req.user or tenant, deadline_s=req.deadline_s)

@@ -49,7 +49,7 @@ def prompt_list(prompt: Any) -> list[str | list[int]]:
     return list(prompt)
 
 
-async def completions(state: ServerState, body: Any) -> Response:
+async def completions(state: ServerState, body: Any, tenant: str | None = None) -> Response:
     try:
         req: CompletionRequest = accept(state, CompletionRequest, body)
         llm = state.require_llm()
@@ -71,4 +71,5 @@ async def completions(state: ServerState, body: Any) -> Response:
         return from_exception(e).response()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await respond(state, CompletionFormat(state.tokens), f"cmpl-{uuid.uuid4().hex}", prompts, params,
-                         req.priority, True, req.stream, include_usage)
+                         req.priority, True, req.stream, include_usage, tenant=req.user or tenant,
+                         deadline_s=req.deadline_s)

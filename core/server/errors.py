@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from paged.core.errors import InvalidRequestError, PagedError
+from paged.core.errors import InvalidRequestError, PagedError, RequestRejectedError
 from paged.core.ipc.messages import EngineDeadError
 
 
@@ -52,6 +52,23 @@ def shutting_down() -> APIError:
                     "server_shutting_down")
 
 
+def rejected(reason: str, http_status: int = 503) -> APIError:
+    """A request the scheduling policy turned away: 429 (the client should slow down) or 503."""
+    if http_status == 429:
+        return APIError(429, reason, "requests", None, "rate_limit_exceeded")
+    return APIError(503, reason, "server_error", None, "rejected_by_policy")
+
+
+def rejection(outputs) -> APIError | None:
+    """The error for a request the policy turned away from the queue (it finished with
+    finish_reason "rejected" before producing anything, the reason in stop_reason), else None."""
+    for out in outputs:
+        for c in out.outputs:
+            if c.finish_reason == "rejected":
+                return rejected(str(c.stop_reason or "rejected by the scheduling policy"))
+    return None
+
+
 def from_exception(e: BaseException) -> APIError:
     if isinstance(e, APIError):
         return e
@@ -63,6 +80,8 @@ def from_exception(e: BaseException) -> APIError:
         return shutting_down()
     if isinstance(e, RecursionError):
         return invalid("request body: nested too deeply")
+    if isinstance(e, RequestRejectedError):  # the scheduling policy's admission control
+        return rejected(str(e), e.http_status)
     if isinstance(e, PagedError):
         return APIError(500, str(e), "server_error")
     return APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error")

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from paged.core.frontend.outputs import CompletionOutput, RequestOutput
 from paged.core.sampling_params import SamplingParams
-from paged.core.server.errors import from_exception
+from paged.core.server.errors import from_exception, rejection
 from paged.core.server.protocol import parse
 from paged.core.server.state import ServerState
 from paged.core.server.streaming import DONE, EventStream, Tokens, first_or_error, merged, sse, usage
@@ -48,10 +48,12 @@ def accept(state: ServerState, request_type: type, body: Any) -> Any:
 
 
 async def start(state: ServerState, request_id: str, prompts: list, params: SamplingParams, priority: int,
-                add_special_tokens: bool, default_max_tokens: int | None = None) -> list:
+                add_special_tokens: bool, default_max_tokens: int | None = None, tenant: str | None = None,
+                deadline_s: float | None = None) -> list:
     """One engine request per prompt (each with ``params.n`` samples); all closed if one fails.
     Text prompts are tokenized off the event loop first. ``default_max_tokens`` caps a request
-    that sets no max_tokens (at what still fits in max_model_len after the prompt)."""
+    that sets no max_tokens (at what still fits in max_model_len after the prompt); ``tenant``
+    and ``deadline_s`` are for the scheduling policy."""
     token_ids = await state.inputs.tokenize(prompts, add_special_tokens)
     llm = state.require_llm()
     streams = []
@@ -63,7 +65,8 @@ async def start(state: ServerState, request_id: str, prompts: list, params: Samp
                 room = llm.model_info.max_model_len - len(prompt if token_ids[i] is None else token_ids[i])
                 prompt_params = params.copy(max_tokens=max(1, min(default_max_tokens, room)))
             streams.append(await llm.add_request(rid, prompt, prompt_params, priority,
-                                                 add_special_tokens=add_special_tokens, prompt_token_ids=token_ids[i]))
+                                                 add_special_tokens=add_special_tokens, prompt_token_ids=token_ids[i],
+                                                 tenant=tenant, deadline_s=deadline_s))  # fmt: skip
     except BaseException:
         for s in streams:
             s.close()
@@ -73,9 +76,11 @@ async def start(state: ServerState, request_id: str, prompts: list, params: Samp
 
 async def respond(state: ServerState, fmt: ChoiceFormat, request_id: str, prompts: list, params: SamplingParams,
                   priority: int, add_special_tokens: bool, stream: bool, include_usage: bool,
-                  default_max_tokens: int | None = None) -> Response:
+                  default_max_tokens: int | None = None, tenant: str | None = None,
+                  deadline_s: float | None = None) -> Response:
     try:
-        streams = await start(state, request_id, prompts, params, priority, add_special_tokens, default_max_tokens)
+        streams = await start(state, request_id, prompts, params, priority, add_special_tokens, default_max_tokens,
+                              tenant, deadline_s)
     except Exception as e:
         return from_exception(e).response()
     head = {"id": request_id, "object": fmt.object_name, "created": int(time.time()),
@@ -90,6 +95,8 @@ async def respond(state: ServerState, fmt: ChoiceFormat, request_id: str, prompt
                 final[i] = out
         except Exception as e:
             return from_exception(e).response()
+        if (error := rejection(final.values())) is not None:
+            return error.response()
         choices, completion_tokens = [], 0
         for i in range(len(prompts)):
             for c in final[i].outputs:
@@ -101,6 +108,9 @@ async def respond(state: ServerState, fmt: ChoiceFormat, request_id: str, prompt
     first = await first_or_error(it)
     if isinstance(first, Response):
         return first
+    if (error := rejection([first[1]])) is not None:
+        await it.aclose()
+        return error.response()
     head["object"] = fmt.chunk_object
 
     def chunk(choices: list, usage_: Any = ...) -> bytes:

@@ -48,6 +48,8 @@ class CommonRequest(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
+    deadline_s: float | None = None  # seconds after arrival by which it should finish (policies)
+    user: str | None = None  # the tenant, for fairness policies (else the X-Paged-Tenant header)
     # structured outputs, as vLLM accepts them (see paged.core.server.structured)
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -55,7 +57,6 @@ class CommonRequest(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     # OpenAI fields accepted and ignored (they change nothing here)
-    user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
