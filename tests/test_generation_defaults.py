@@ -96,6 +96,7 @@ def test_server_requests_get_the_model_defaults_for_unset_fields(monkeypatch):
     import asyncio
     from types import SimpleNamespace
 
+    from paged.core.config import ServerConfig
     from paged.core.server import chat as chat_module
     from paged.core.server import completions as completions_module
 
@@ -108,7 +109,12 @@ def test_server_requests_get_the_model_defaults_for_unset_fields(monkeypatch):
     llm = SimpleNamespace(default_sampling={"temperature": 0.2, "top_p": 0.9, "max_tokens": 7},
                           apply_chat_template=lambda messages: "chat prompt", tokenizer=None)
     state = SimpleNamespace(require_llm=lambda: llm, check_model=lambda model: None, tokens=None,
-                            config=SimpleNamespace(server=SimpleNamespace(chat_default_max_tokens=None)))
+                            config=SimpleNamespace(server=ServerConfig()))
+
+    async def render_chat(messages):
+        return "chat prompt"
+
+    state.inputs = SimpleNamespace(render_chat=render_chat)
     for module in (completions_module, chat_module):
         monkeypatch.setattr(module, "respond", capture)
     asyncio.run(completions_module.completions(state, {"prompt": "Hello"}))

@@ -348,10 +348,14 @@ def test_resolve_model_dir_errors(tmp_path, hf_models):
     assert loader.resolve_model_dir(str(path)) == path
 
 
-def test_load_hf_config_error_names_the_architecture(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "nonesuch", "architectures": ["NoneSuchForLM"]}))
-    with pytest.raises(ModelLoadError, match="NoneSuchForLM"):
+def test_load_hf_config_error_names_the_model_type(tmp_path):
+    # Without `architectures` nothing could build it: an error naming what the file says.
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "nonesuch"}))
+    with pytest.raises(ModelLoadError, match="nonesuch"):
         loader.load_hf_config(tmp_path)
+    # With one, a model type transformers does not know loads as a plain config (a plugin model).
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "nonesuch", "architectures": ["NoneSuchForLM"]}))
+    assert loader.load_hf_config(tmp_path).architectures == ["NoneSuchForLM"]
 
 
 def _model_and_weights(hf_models, name):
