@@ -57,7 +57,8 @@ def hf_greedy_and_logits(model, prompt_ids: list[int], max_new: int) -> tuple[li
 def test_bfloat16_engine_matches_hf_bfloat16(default_model_dir, hf_bf16):
     from paged.models.layers import Linear, ParallelLMHead
 
-    llm = LLM(default_model_dir, device="cpu", attention="torch", dtype="bfloat16", max_num_seqs=8)
+    llm = LLM(default_model_dir, device="cpu", attention="torch", dtype="bfloat16", quantization="none",
+              max_num_seqs=8)
     runner = llm.engine.core.runner
     # The real path: bfloat16 weights, every linear layer and the LM head prepacked, kernel loaded.
     assert runner.dtype == torch.bfloat16

@@ -149,7 +149,12 @@ def test_paged_config_shows_what_will_run_with_typed_values(capsys):
     assert doc["scheduler"]["policy_options"] == {"aging_s": 5.0}  # a number, not "5"
     assert doc["server"]["api_key"] == "***"
     resolved = doc["resolved"]
-    assert resolved["device"] == "cpu" and resolved["dtype"] == "float32" and resolved["attention_backend"] == "torch"
+    from paged.core.loading.loader import cpu_has_native_bf16
+
+    # dtype=auto on a CPU: bfloat16 where it has native bf16 (AMX / AVX512-BF16), else float32
+    expected_dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
+    assert resolved["device"] == "cpu" and resolved["dtype"] == expected_dtype
+    assert resolved["attention_backend"] == "torch"
     assert str(default_gguf()) in resolved["model"]
     rc, out, _ = _main(["config", "--device", "cpu"], capsys)
     assert rc == 0 and "# what will run here" in out and "#   attention_backend: torch" in out
