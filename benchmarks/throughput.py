@@ -231,17 +231,21 @@ def main(argv: list[str] | None = None) -> None:
 
 def sweep(args, script: str) -> dict:
     """Throughput against concurrent sequences: paged with max_num_seqs = c and HF static batches
-    of c, each on 2c prompts (at least 4) of 64-256 prompt tokens and 64 output tokens."""
+    of c, each on 2c prompts (at least 4) of 64-256 prompt tokens and 64 output tokens; each point's
+    greedy ids are checked against HF's (verify_ids) before its figure counts."""
     points: dict[str, list] = {"concurrency": [], "paged": [], "hf_static": []}
     for conc in (1, 4, 16, 64):
         n = max(4, 2 * conc)
         common = dict(num_prompts=n, limit=n, batch_size=conc, prompt_range=[64, 256], output_range=[64, 64])
         p = _bench.run_phase(script, _phase_args(args, "paged", **common))
         h = _bench.run_phase(script, _phase_args(args, "hf", **common))
+        # HF's static batch is the reference here too: a point whose outputs differ measures nothing.
+        agreement = verify_ids(p["token_ids"], h["token_ids"], args.dtype, f"sweep paged c={conc}")
+        points.setdefault("ids_agreement", []).append(agreement)
         points["concurrency"].append(conc)
         points["paged"].append(p["tokens_per_s"])
         points["hf_static"].append(h["tokens_per_s"])
-        print(f"concurrency {conc:3d}: paged {p['tokens_per_s']:7.1f} tok/s   HF static {h['tokens_per_s']:7.1f} tok/s", flush=True)
+        print(f"concurrency {conc:3d}: paged {p['tokens_per_s']:7.1f} tok/s   HF static {h['tokens_per_s']:7.1f} tok/s   ids vs HF {agreement:.1%}", flush=True)
     import matplotlib
 
     matplotlib.use("Agg")

@@ -4,7 +4,7 @@ Earliest deadline first (Liu & Layland 1973) is optimal for meeting deadlines wh
 not overloaded; under overload it degrades badly, every request missing by a little. Admission
 control fixes that (the approach of deadline-aware LLM serving such as SLOs-Serve or "Andes",
 2024): a request that cannot meet its deadline even if it ran now is turned away (or, with
-``action = "defer"``, served only when nothing else waits), so capacity goes to requests that can
+``action = "defer"``, served only when the engine has nothing else to run), so capacity goes to requests that can
 still make it: goodput, the requests that meet their deadline per second, rises.
 
 The estimate of the time a request needs if it runs now: its prefill in
@@ -44,7 +44,7 @@ class SLOPolicy(BasePolicy):
         self.step_time_s = self.options.initial_step_time_s
         self.token_budget = 0  # learned from the first step
         self._last_step: float | None = None
-        self._num_waiting = 0
+        self._busy = False  # whether the last step scheduled anything
 
     def sort_key(self, request: RequestView) -> tuple:
         deadline = request.deadline
@@ -64,15 +64,18 @@ class SLOPolicy(BasePolicy):
         if needed <= left:
             return Admission.ACCEPT
         reason = f"cannot meet its deadline: needs about {needed:.3f} s, {max(left, 0.0):.3f} s left"
-        if self.options.action == "defer" and self._num_waiting > 1:
+        if self.options.action == "defer" and self._busy:
             return Admission.defer(reason)
         if self.options.action == "defer":
-            return Admission.ACCEPT  # nothing else waits: serve it late rather than not at all
+            # The last step had nothing else to run (only requests deferred like this one wait): serve
+            # it late rather than not at all. Deferring on "others wait" instead could defer every
+            # late request forever once all the waiting ones are late.
+            return Admission.ACCEPT
         return Admission.reject(reason, http_status=503)
 
     def on_step(self, stats: StepStats) -> None:
         self.token_budget = stats.token_budget
-        self._num_waiting = stats.num_waiting
+        self._busy = bool(stats.scheduled)
         if self._last_step is not None and stats.scheduled:
             gap = stats.now - self._last_step
             if gap > 0:

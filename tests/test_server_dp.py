@@ -39,7 +39,7 @@ PROMPTS = [
 
 
 def _core_args(port: int) -> list[str]:
-    return ["--device", "cpu", "--attention", "torch", "--host", "127.0.0.1", "--port", str(port),
+    return ["--device", "cpu", "--dtype", "float32", "--attention", "torch", "--host", "127.0.0.1", "--port", str(port),
             "--api-key", API_KEY, "--num-kv-blocks", str(NUM_BLOCKS), "--max-model-len", str(MAX_MODEL_LEN),
             "--max-num-seqs", "32", "--served-model-name", MODEL, "--data-parallel-size", str(DP), "-q"]
 

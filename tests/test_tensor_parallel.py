@@ -77,7 +77,8 @@ PROMPTS = [
     "1, 1, 2, 3, 5, 8,",
 ]
 # chunked prefill (8-token chunks, 24 tokens a step) so steps mix decodes and prefill chunks
-RUN_FLAGS = ["--json", "--max-tokens", "16", "--ignore-eos", "--max-num-batched-tokens", "24", "--long-prefill-token-threshold", "8",
+# float32: TP2 must give TP1's tokens exactly (bfloat16 sums the two ranks' halves in another order).
+RUN_FLAGS = ["--dtype", "float32", "--json", "--max-tokens", "16", "--ignore-eos", "--max-num-batched-tokens", "24", "--long-prefill-token-threshold", "8",
              "--logprobs", "0", "--quiet"]
 
 

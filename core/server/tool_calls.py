@@ -88,6 +88,7 @@ class ToolCallShaper:
 
 
 @functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=8)  # read once per served model, not once per chat request
 def model_type(model_dir: str) -> str | None:
     """The HF ``model_type`` of the served model (it picks the tool-call parser)."""
     try:
