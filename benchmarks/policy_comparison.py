@@ -8,10 +8,14 @@ token). Printed: the README's comparison table (markdown) and, with ``--json``, 
 
     python benchmarks/policy_comparison.py [--quick] [--cost COST.json] [--json]
 
-The same comparison on the real engine, per workload (the lead's command, e.g.)::
+With ``--real`` the same workloads (scaled by ``--scale``, arrivals stretched by ``--time-scale``
+because a CPU step is slower than the synthetic one) are replayed on the real engine with the
+default model (wall clock, one engine per policy, warmed up first). The same by hand::
 
     paged lab gen --workload multi-tenant --num-requests 400 --rate 40 --out mt.jsonl
     paged lab replay mt.jsonl --policy fcfs --policy fair --clock wall
+
+    python benchmarks/policy_comparison.py --real --scale 0.25 --time-scale 4
 """
 
 from __future__ import annotations
@@ -62,16 +66,38 @@ def alone(trace, keep) -> object:
     return Trace([r for r in trace.requests if keep(r)], dict(trace.header))
 
 
-def run_scenarios(scale: float, cost: CostModel) -> list[dict]:
+def real(trace, policies: list[str], settings: dict, time_scale: float, labels: list[str] | None = None) -> list[dict]:
+    """Replays of ``trace`` on the real engine (default model, wall clock), one engine per policy."""
+    from paged.core.config import load_config
+    from paged.core.lab.replay import replay_trace
+
+    config = load_config(None, {"device": "cpu", "cache": {"num_blocks": settings["num_blocks"]},
+                                "scheduler": {"max_num_seqs": settings["max_num_seqs"],
+                                              "max_num_batched_tokens": settings["max_num_batched_tokens"]}})  # fmt: skip
+    results = replay_trace(trace, [PolicyRun.parse(p) for p in policies], config, mode="wall", time_scale=time_scale,
+                           log=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip
+    summaries = [summarize(r) for r in results]
+    for s, label in zip(summaries, labels or []):
+        s["label"] = label
+    return summaries
+
+
+def run_scenarios(scale: float, cost: CostModel, real_time_scale: float | None = None) -> list[dict]:
     rows = []
     for workload, spec, settings, policies in SCENARIOS:
         spec = dict(spec, num_requests=max(20, int(spec["num_requests"] * scale)))
         trace = generate_workload(WorkloadSpec(workload, **spec))
-        sim = SimSettings(max_model_len=8192, **settings)
-        summaries = [simulate(trace, p, sim, cost)[0] for p in policies]
-        if workload == "multi-tenant":
-            light = alone(trace, lambda r: r.tenant != "t0")
-            summaries.append(simulate(light, "fcfs", sim, cost, label="light tenants alone")[0])
+        if real_time_scale is not None:
+            summaries = real(trace, policies, settings, real_time_scale)
+            if workload == "multi-tenant":
+                light = alone(trace, lambda r: r.tenant != "t0")
+                summaries += real(light, ["fcfs"], settings, real_time_scale, labels=["light tenants alone"])
+        else:
+            sim = SimSettings(max_model_len=8192, **settings)
+            summaries = [simulate(trace, p, sim, cost)[0] for p in policies]
+            if workload == "multi-tenant":
+                light = alone(trace, lambda r: r.tenant != "t0")
+                summaries.append(simulate(light, "fcfs", sim, cost, label="light tenants alone")[0])
         rows.append({"workload": workload, "spec": spec, "settings": settings, "summaries": summaries})
     return rows
 
@@ -103,9 +129,13 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests")
     parser.add_argument("--cost", help="cost model JSON from `paged lab calibrate` (default: the synthetic one)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--real", action="store_true", help="replay on the real engine (default model, wall clock)")
+    parser.add_argument("--scale", type=float, default=None, help="share of each workload's requests (default 1; --quick 0.25)")
+    parser.add_argument("--time-scale", type=float, default=4.0, help="--real: arrival times (and deadlines) x this")
     args = parser.parse_args(argv)
     cost = CostModel.load(args.cost) if args.cost else synthetic_cost()
-    rows = run_scenarios(0.25 if args.quick else 1.0, cost)
+    scale = args.scale if args.scale is not None else 0.25 if args.quick else 1.0
+    rows = run_scenarios(scale, cost, args.time_scale if args.real else None)
     print(json.dumps(rows, indent=1, default=str) if args.json else markdown(rows))
     return 0
 

@@ -97,3 +97,34 @@ def test_smollm2_template_gets_tools_in_a_hermes_system_message(default_model_di
     assert prompt.startswith("<|im_start|>system\nYou may call one or more functions")
     assert '"name": "get_weather"' in prompt and prompt.endswith("<|im_start|>assistant\n")
     assert "You may call" not in processor.apply_chat_template([{"role": "user", "content": "Hi"}])
+
+
+WEATHER_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+@pytest.mark.slow
+def test_llm_chat_with_tools_returns_calls_that_validate(default_model_dir):
+    """LLM.chat(tools=, tool_choice=) as on the server: required and named calls are constrained,
+    parsed into tool_calls and validate against the tool's parameters; "none" shows no tools."""
+    import jsonschema
+
+    from paged import LLM, SamplingParams
+    from paged.core.errors import InvalidRequestError
+
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    params = SamplingParams(max_tokens=100, temperature=0)
+    with LLM(default_model_dir, device="cpu", num_kv_blocks=64) as llm:
+        required = llm.chat(messages, params, tools=WEATHER_TOOLS, tool_choice="required", use_tqdm=False)
+        named = llm.chat(messages, params, tools=WEATHER_TOOLS, use_tqdm=False,
+                         tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        none = llm.chat(messages, params, tools=WEATHER_TOOLS, tool_choice="none", use_tqdm=False)
+        plain = llm.chat(messages, params, use_tqdm=False)
+        with pytest.raises(InvalidRequestError, match="tool_choice: unknown function 'nope'"):
+            llm.chat(messages, params, tools=WEATHER_TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
+    for out in (required[0].outputs[0], named[0].outputs[0]):
+        assert out.finish_reason == "stop", out
+        assert [call.name for call in out.tool_calls] == ["get_weather"], out.text
+        jsonschema.validate(json.loads(out.tool_calls[0].arguments), WEATHER_TOOLS[0]["function"]["parameters"])
+    assert none[0].outputs[0].tool_calls is None and plain[0].outputs[0].tool_calls is None
+    assert none[0].prompt == plain[0].prompt and "get_weather" in required[0].prompt

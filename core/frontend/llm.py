@@ -7,8 +7,10 @@ from typing import Any, Sequence
 
 from paged.core.config import EngineConfig, Flag, config_flags, load_config
 from paged.core.frontend.llm_engine import LLMEngine
-from paged.core.errors import ConfigError
+from paged.core.errors import ConfigError, InvalidRequestError
 from paged.core.frontend.outputs import RequestOutput
+from paged.core.frontend.tools import (calls_from_constrained, check_tools, model_type, tool_choice_mode,
+                                       tool_constraint, tool_parser_for)  # fmt: skip
 from paged.core.sampling_params import SamplingParams
 
 
@@ -90,14 +92,36 @@ class LLM:
         messages: Sequence[dict] | Sequence[Sequence[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them, through the
-        model's chat template."""
+        model's chat template. ``tools`` (OpenAI function tools) and ``tool_choice`` ("auto", the
+        default with tools; "none"; "required"; or {"type": "function", "function": {"name": ...}})
+        work as on the server: the template receives the tools, "required" and a named function are
+        enforced by a JSON-schema constraint, and each output's ``tool_calls`` holds the parsed calls
+        (``ToolCall``: ``name``, JSON ``arguments``, ``id``); ``text`` stays the model's raw output."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.engine.apply_chat_template(list(c)) for c in conversations]
+        tools = check_tools(tools) if tools is not None else None
+        mode, name = tool_choice_mode(tool_choice, tools)
+        shown_tools = tools if mode != "none" else None
+        prompts = [self.engine.apply_chat_template(list(c), shown_tools) for c in conversations]
         params_list = _broadcast(sampling_params or self.get_default_sampling_params(), len(prompts), "sampling_params")
-        return self._run(prompts, params_list, [0] * len(prompts), use_tqdm, add_special_tokens=False)
+        forced = tool_constraint(mode, name, tools, parallel=True) if tools else None
+        if forced is not None:
+            if any(p.structured_output is not None for p in params_list):
+                raise InvalidRequestError(f"tool_choice: {tool_choice!r} cannot be combined with "
+                                          "sampling_params.structured_output")  # fmt: skip
+            self.engine.input_processor.validate_structured_output(forced)
+            params_list = [p.copy(structured_output=forced) for p in params_list]
+        outputs = self._run(prompts, params_list, [0] * len(prompts), use_tqdm, add_special_tokens=False)
+        if shown_tools:
+            parser = tool_parser_for(model_type(self.engine.model_info.model_dir))
+            for output in outputs:
+                for c in output.outputs:
+                    c.tool_calls = _tool_calls(mode, name, parser, c)
+        return outputs
 
     def _run(self, prompts, params_list, priorities, use_tqdm: bool, add_special_tokens: bool,
              metadata=None) -> list[RequestOutput]:  # fmt: skip
@@ -130,6 +154,14 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
+
+
+def _tool_calls(mode: str, name: str | None, parser, c) -> list:
+    if mode in ("named", "required"):
+        if c.finish_reason == "length":
+            return []  # cut off by max_tokens: the constrained JSON is incomplete
+        return calls_from_constrained(mode, name, c.text)
+    return parser.parse(c.text)[1]
 
 
 def _progress(total: int):

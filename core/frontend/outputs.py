@@ -51,6 +51,7 @@ class CompletionOutput:
     new_text: str = ""  # text added since the previous output of this request (streaming)
     new_token_ids: list[int] = field(default_factory=list)
     metrics: RequestMetrics | None = None
+    tool_calls: list[Any] | None = None  # LLM.chat with tools: the parsed calls (paged.core.frontend.tools.ToolCall)
 
     @property
     def finished(self) -> bool:

@@ -10,10 +10,12 @@ in a system message in Hermes' wording, and tool calls / tool results rendered a
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from paged.core.errors import InvalidRequestError
@@ -246,3 +248,12 @@ TOOL_PARSERS: dict[str, type] = {"hermes": HermesToolParser, "qwen2": HermesTool
 
 def tool_parser_for(model_type: str | None) -> type:
     return TOOL_PARSERS.get(model_type or "", HermesToolParser)
+
+
+@functools.lru_cache(maxsize=8)  # read once per served model, not once per chat request
+def model_type(model_dir: str) -> str | None:
+    """The HF ``model_type`` of the served model (it picks the tool-call parser)."""
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None

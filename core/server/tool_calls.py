@@ -8,13 +8,10 @@ A response with calls finishes with ``tool_calls`` (unless it ran out of tokens:
 
 from __future__ import annotations
 
-import functools
-import json
-from pathlib import Path
 from typing import Any
 
 from paged.core.frontend.outputs import CompletionOutput
-from paged.core.frontend.tools import ToolCall, calls_from_constrained
+from paged.core.frontend.tools import ToolCall, calls_from_constrained, model_type  # noqa: F401 (re-exported)
 
 
 class ToolCallShaper:
@@ -86,12 +83,3 @@ class ToolCallShaper:
             delta["tool_calls"] = new_calls
         return delta, self._finish_reason(c, sent) if c.finished else None
 
-
-@functools.lru_cache(maxsize=8)
-@functools.lru_cache(maxsize=8)  # read once per served model, not once per chat request
-def model_type(model_dir: str) -> str | None:
-    """The HF ``model_type`` of the served model (it picks the tool-call parser)."""
-    try:
-        return json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError):
-        return None
