@@ -26,6 +26,7 @@ import argparse
 import json
 import sys
 import time
+from typing import Any
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -110,27 +111,37 @@ PHASES = {"hf": phase_hf, "paged": phase_paged}
 
 
 # --- output check ----------------------------------------------------------------------------
-# Greedy ids must equal HF's. The reference (b) runs left-padded batches; padding and (in bfloat16)
-# rounding at other points can flip a near-tie, after which the two continuations differ. The
-# tolerance is on the mean share of each output that matches HF's from the start: float32 at least
-# MIN_AGREEMENT["float32"], bfloat16 at least MIN_AGREEMENT["bfloat16"]. Below it the run fails.
+# Greedy ids must be HF's. The reference is HF one prompt at a time (a): no padding. Rounding at
+# other points (other kernels, other batch shapes; in bfloat16 much more) can flip a near-tie,
+# after which the continuations differ, so the measure is the mean share of each output that
+# matches the reference from its start. HF's own padded batches (b) against (a) show how far that
+# goes for HF itself; paged's phases must match (a) at least MIN_AGREEMENT[dtype], or, where HF's
+# padded batches match it less than that, at least 90% of what they do. Below it the run fails
+# (after writing its results). Broken outputs match a few tokens at most.
 MIN_AGREEMENT = {"float32": 0.98, "bfloat16": 0.80}
 
 
-def verify_ids(got: list[list[int]], reference: list[list[int]], dtype: str, name: str) -> float:
-    """Mean matching-prefix share of ``got`` against the first ``len(got)`` reference outputs;
-    raises SystemExit (a failed benchmark) when under the dtype's tolerance."""
+def agreement(got: list[list[int]], reference: list[list[int]], name: str) -> float:
+    """Mean matching-prefix share of ``got`` against the first ``len(reference)`` outputs."""
     shares = []
     for ours, ref in zip(got, reference):
         if len(ours) != len(ref):
             raise SystemExit(f"phase ({name}): {len(ours)} tokens where HF produced {len(ref)}")
         same = next((k for k, (x, y) in enumerate(zip(ours, ref)) if x != y), len(ref))
         shares.append(same / max(len(ref), 1))
-    mean = sum(shares) / max(len(shares), 1)
-    if mean < MIN_AGREEMENT[dtype]:
-        raise SystemExit(f"phase ({name}): greedy ids match HF's for only {mean:.1%} of the output on average "
-                         f"(tolerance {MIN_AGREEMENT[dtype]:.0%} for {dtype}): the figures measure wrong outputs")
-    return mean
+    return sum(shares) / max(len(shares), 1)
+
+
+def verify_ids(got: list[list[int]], reference: list[list[int]], dtype: str, name: str,
+               hf_self: float | None = None) -> tuple[float, str | None]:
+    """(agreement, None) or (agreement, the failure) against the dtype's tolerance, relaxed to 90%
+    of ``hf_self`` (HF's own agreement across batch shapes) where that is lower."""
+    value = agreement(got, reference, name)
+    tolerance = MIN_AGREEMENT[dtype] if hf_self is None else min(MIN_AGREEMENT[dtype], 0.9 * hf_self)
+    if value < tolerance:
+        return value, (f"phase ({name}): greedy ids match HF's for only {value:.1%} of the output on average "
+                       f"(tolerance {tolerance:.0%} for {dtype}): the figures measure wrong outputs")
+    return value, None
 
 
 # --- driver ----------------------------------------------------------------------------------
@@ -200,15 +211,19 @@ def main(argv: list[str] | None = None) -> None:
     print(f"(c) paged:             {c['tokens_per_s']:8.1f} tok/s  ({c['output_tokens']} tokens, {c['elapsed_s']:.1f} s, peak RSS {c['peak_rss_mib']:.0f} MiB, {c['steps']} steps)", flush=True)
     d = _bench.run_phase(script, _phase_args(args, "paged", batch_size=16))
     print(f"(d) paged, 16 at once: {d['tokens_per_s']:8.1f} tok/s  (equal concurrency with (b); {d['elapsed_s']:.1f} s)", flush=True)
-    # Every phase must produce HF's greedy ids (b is the reference for all prompts, a for its subset).
-    agreement = {name: verify_ids(phase["token_ids"], b["token_ids"], args.dtype, name)
-                 for name, phase in (("a", a), ("c", c), ("d", d))}  # fmt: skip
-    print("greedy ids vs HF (b), mean matching prefix: " + ", ".join(f"({k}) {v:.1%}" for k, v in agreement.items()))
+    # Every phase against HF one prompt at a time (a), on the prompts (a) ran (all with --hf-single-prompts N).
+    hf_self = agreement(b["token_ids"], a["token_ids"], "b")
+    checks = {name: verify_ids(phase["token_ids"], a["token_ids"], args.dtype, name, hf_self)
+              for name, phase in (("c", c), ("d", d))}  # fmt: skip
+    ids_agreement = {"b": hf_self, **{k: v for k, (v, _) in checks.items()}}
+    failures = [f for _, f in checks.values() if f]
+    print(f"greedy ids vs HF one at a time (a), mean matching prefix over {len(a['token_ids'])} prompts: "
+          + ", ".join(f"({k}) {v:.1%}" for k, v in ids_agreement.items()) + "   ((b) is HF's own padded batches)")
 
     flops = _bench.model_flops(hf_config, c["input_tokens"], c["output_tokens"]) / c["elapsed_s"]
     result = {
         "dtype": args.dtype, "quantization": args.quantization, "num_prompts": args.num_prompts, "seed": args.seed,
-        "hf_single": a, "hf_static16": b, "paged": c, "paged_16": d, "ids_agreement": agreement,
+        "hf_single": a, "hf_static16": b, "paged": c, "paged_16": d, "ids_agreement": ids_agreement,
         "paged_over_hf_single": c["tokens_per_s"] / a["tokens_per_s"],
         "paged_over_hf_static": c["tokens_per_s"] / b["tokens_per_s"],
         "paged16_over_hf_static16": d["tokens_per_s"] / b["tokens_per_s"],
@@ -221,31 +236,39 @@ def main(argv: list[str] | None = None) -> None:
           f"paged model FLOP/s {flops / 1e9:.1f} G = MFU {100 * flops / peak_flops:.1f}%")
 
     if args.sweep:
-        result["sweep"] = sweep(args, script)
+        result["sweep"] = sweep(args, script, hf_self)
+        failures += result["sweep"].pop("failures")
     _bench.RESULTS.mkdir(exist_ok=True)
     out = _bench.RESULTS / f"throughput-{args.dtype}.json"
     out.write_text(json.dumps(result, indent=2))
     if args.json:
         print(json.dumps(result, indent=2))
+    if failures:
+        raise SystemExit("\n".join(failures))
 
 
-def sweep(args, script: str) -> dict:
+def sweep(args, script: str, hf_self: float | None = None) -> dict:
     """Throughput against concurrent sequences: paged with max_num_seqs = c and HF static batches
     of c, each on 2c prompts (at least 4) of 64-256 prompt tokens and 64 output tokens; each point's
     greedy ids are checked against HF's (verify_ids) before its figure counts."""
-    points: dict[str, list] = {"concurrency": [], "paged": [], "hf_static": []}
+    points: dict[str, Any] = {"concurrency": [], "paged": [], "hf_static": [], "ids_agreement": [], "failures": []}
     for conc in (1, 4, 16, 64):
         n = max(4, 2 * conc)
         common = dict(num_prompts=n, limit=n, batch_size=conc, prompt_range=[64, 256], output_range=[64, 64])
         p = _bench.run_phase(script, _phase_args(args, "paged", **common))
         h = _bench.run_phase(script, _phase_args(args, "hf", **common))
-        # HF's static batch is the reference here too: a point whose outputs differ measures nothing.
-        agreement = verify_ids(p["token_ids"], h["token_ids"], args.dtype, f"sweep paged c={conc}")
-        points.setdefault("ids_agreement", []).append(agreement)
+        # HF's static batch is the reference here: padded for c > 1, so the tolerance is HF's own
+        # bfloat16 agreement across batch shapes at most (see verify_ids); a point whose outputs are
+        # wrong measures nothing.
+        agreed, failure = verify_ids(p["token_ids"], h["token_ids"], args.dtype, f"sweep paged c={conc}",
+                                     hf_self if conc > 1 else None)  # c = 1: HF unpadded, full tolerance
+        if failure:
+            points["failures"].append(failure)
+        points["ids_agreement"].append(agreed)
         points["concurrency"].append(conc)
         points["paged"].append(p["tokens_per_s"])
         points["hf_static"].append(h["tokens_per_s"])
-        print(f"concurrency {conc:3d}: paged {p['tokens_per_s']:7.1f} tok/s   HF static {h['tokens_per_s']:7.1f} tok/s   ids vs HF {agreement:.1%}", flush=True)
+        print(f"concurrency {conc:3d}: paged {p['tokens_per_s']:7.1f} tok/s   HF static {h['tokens_per_s']:7.1f} tok/s   ids vs HF {agreed:.1%}", flush=True)
     import matplotlib
 
     matplotlib.use("Agg")

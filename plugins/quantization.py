@@ -61,12 +61,12 @@ def _cpu_only(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
 class _DenseFallback:
     """The dense path for batches of more than ``quantized_max_rows`` rows."""
 
-    def _init_dense(self, options: WeightOnlyOptions, dtype: torch.dtype) -> None:
+    def _init_dense(self, options: WeightOnlyOptions, dtype: torch.dtype, make_dense=None) -> None:
         self.max_rows = options.quantized_max_rows
         self.dense: torch.Tensor | None = None
         self.packed_dense: torch.Tensor | None = None
         if options.dense_copy:
-            dense = self.dequantize()
+            dense = (make_dense or self.dequantize)()
             if dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
                 self.packed_dense = torch.ops.mkldnn._reorder_linear_weight(dense, None)
             else:
@@ -135,7 +135,9 @@ class Int4Weight(_DenseFallback):
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
         zero = offset.float() + 8.0 * scale.float()
         self.scales_and_zeros = torch.stack([scale.float().t(), zero.t()], dim=-1).to(dtype).contiguous()
-        self._init_dense(options, dtype)
+        # the dense copy from the codes at hand: what dequantize() computes, without reading the
+        # codes back out of the packed layout (a second or so of every start-up)
+        self._init_dense(options, dtype, lambda: self._dequantize_codes(codes))
 
     def _quantized_linear(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group_size, self.scales_and_zeros)
@@ -156,6 +158,13 @@ class Int4Weight(_DenseFallback):
 
     def dequantize(self) -> torch.Tensor:
         return self.embedding(torch.arange(self.shape[0]))
+
+    def _dequantize_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        """``embedding``'s arithmetic over all rows, from unpacked ``codes [N, K]``."""
+        n, k = self.shape
+        s, z = self.scales_and_zeros[..., 0].t().unsqueeze(-1), self.scales_and_zeros[..., 1].t().unsqueeze(-1)
+        q = (codes.to(torch.int32) - 8).to(self.dtype).view(n, k // self.group_size, self.group_size)
+        return (q * s + z).view(n, k)
 
     def nbytes(self) -> int:
         return self.packed.numel() + self.scales_and_zeros.numel() * self.dtype.itemsize + self._dense_bytes()

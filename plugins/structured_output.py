@@ -9,8 +9,8 @@ from __future__ import annotations
 import importlib.util
 
 from paged.core.hookspecs import StructuredOutputBackendSpec, hookimpl
-from paged.grammars import llguidance_backend as _llg
-from paged.grammars import xgrammar_backend as _xgr
+from paged.backends import llguidance_backend as _llg
+from paged.backends import xgrammar_backend as _xgr
 
 
 def _installed(package: str):

@@ -84,6 +84,8 @@ def test_int4_and_int8_products_match_their_dequantized_weights(dense_copy, dtyp
         assert (q.dequantize().float() - ref).abs().max() <= tol * ref.abs().max()
         ids = torch.tensor([0, 33, 64, 127, 5])
         assert torch.equal(q.embedding(ids), q.dequantize()[ids])
+        if dense_copy and q.dense is not None:  # float32 keeps it unpacked: it is exactly the weight dequantized
+            assert torch.equal(q.dense, q.dequantize())
         bias = torch.randn(128).to(dtype)
         for rows in (1, 2, 7):  # 7 > quantized_max_rows: the dense copy when there is one
             x = torch.randn(rows, 96).to(dtype)
@@ -91,6 +93,9 @@ def test_int4_and_int8_products_match_their_dequantized_weights(dense_copy, dtyp
             out = q.linear(x, bias)
             assert out.dtype == dtype and out.shape == (rows, 128)
             assert (out.float() - expected).abs().max() <= tol * 4 * expected.abs().max()
+    # int4's dense copy is made from the codes at hand: the same values as reading them back packed
+    q = quantize_int4(weight, None, Int4Options(dense_copy=False))
+    assert torch.equal(q._dequantize_codes(codes), q.dequantize())
 
 
 def test_int4_leaves_shapes_its_layout_cannot_hold_dense():

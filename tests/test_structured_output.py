@@ -28,8 +28,8 @@ def tokenizer(default_model_dir):
 
 @pytest.fixture(scope="module")
 def backends(tokenizer):
-    from paged.grammars.llguidance_backend import LLGuidanceBackend
-    from paged.grammars.xgrammar_backend import XGrammarBackend
+    from paged.backends.llguidance_backend import LLGuidanceBackend
+    from paged.backends.xgrammar_backend import XGrammarBackend
 
     eos = [tokenizer.eos_token_id]
     return {"xgrammar": XGrammarBackend(tokenizer, 49152, eos, None), "llguidance": LLGuidanceBackend(tokenizer, 49152, eos, None)}

@@ -46,6 +46,7 @@ from paged.core.ipc.messages import (
 from paged.core.errors import InvalidRequestError, PagedError, RequestRejectedError
 from paged.core.frontend.outputs import RequestOutput
 from paged.core.frontend.processor import InputProcessor, OutputProcessor, structured_output_validator
+from paged.core.frontend.request_state import FrontRequest, RequestStream, StatsObserver
 from paged.core.sampling_params import SamplingParams
 
 logger = logging.getLogger("paged")
@@ -53,54 +54,6 @@ logger = logging.getLogger("paged")
 __all__ = ["AsyncLLM", "EngineDeadError", "RequestStream", "StatsObserver"]
 
 _POLL_MS = 200  # how often the output handler checks that the core is alive when it is quiet
-
-
-class StatsObserver:
-    """Receives per-request measurements (the server turns them into Prometheus metrics).
-    Times are seconds. Every method is optional to override."""
-
-    def prompt_tokens(self, n: int) -> None: ...
-    def generation_tokens(self, n: int) -> None: ...
-    def time_to_first_token(self, s: float) -> None: ...
-    def inter_token_latency(self, s: float) -> None: ...
-    def e2e_latency(self, s: float) -> None: ...
-    def queue_time(self, s: float) -> None: ...
-    def request_finished(self, finish_reason: str) -> None: ...
-
-
-class RequestStream:
-    """The outputs of one request, in order. Iterate it; ``close()`` aborts it if unfinished."""
-
-    def __init__(self, llm: "AsyncLLM", request_id: str) -> None:
-        self.request_id = request_id
-        self._llm = llm
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self.finished = False
-
-    def _put(self, item: RequestOutput | BaseException | None) -> None:
-        self._queue.put_nowait(item)
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if item is None:
-            self.finished = True
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
-
-    def close(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self._llm.abort(self.request_id)
 
 
 class AsyncLLM:
@@ -117,10 +70,8 @@ class AsyncLLM:
         self.input_processor = InputProcessor(tokenizer, self.model_info, structured_output_validator(config))
         self.output_processor = OutputProcessor()
         self.observer = observer or StatsObserver()
-        self.streams: dict[str, RequestStream] = {}
-        self._child_parent: dict[str, str] = {}
-        self._last_token_time: dict[str, float] = {}
-        self._finished_children: dict[str, set[int]] = {}
+        self.requests: dict[str, FrontRequest] = {}  # by request id: one record per request
+        self._by_child: dict[str, FrontRequest] = {}  # child (core request) id -> its request: an index
         self._utility_futures: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -177,8 +128,13 @@ class AsyncLLM:
     def core_loads(self) -> list[int]:
         """Per core, by rank: the unfinished core requests (children) the front-end sent to it."""
         if self.router is None:
-            return [len(self._child_parent)]
+            return [sum(len(r.live_child_ids) for r in self.requests.values())]
         return list(self.router.loads)
+
+    @property
+    def streams(self) -> dict[str, RequestStream]:
+        """The open requests' streams, by request id (a snapshot)."""
+        return {rid: r.stream for rid, r in self.requests.items()}
 
     @property
     def is_alive(self) -> bool:
@@ -186,7 +142,7 @@ class AsyncLLM:
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self.streams)
+        return len(self.requests)
 
     def _check_alive(self) -> None:
         if self._dead is not None:
@@ -223,18 +179,19 @@ class AsyncLLM:
         self._check_alive()
         self._ensure_handler()
         request_id = f"req-{next(self._request_ids)}" if request_id is None else str(request_id)
-        if request_id in self.streams:
+        if request_id in self.requests:
             raise InvalidRequestError(f"request_id: {request_id!r} is already in use")
         parent, requests = self.input_processor.process(
             request_id, prompt, params or SamplingParams(), priority, arrival_time, cache_salt, add_special_tokens,
             prompt_token_ids=prompt_token_ids, tenant=tenant, deadline_s=deadline_s,
         )
         stream = RequestStream(self, request_id)
-        self.streams[request_id] = stream
+        child_ids = [request.request_id for request in requests]
+        front = FrontRequest(request_id, stream, child_ids, set(child_ids))
+        self.requests[request_id] = front
+        for child_id in child_ids:
+            self._by_child[child_id] = front
         self.output_processor.add(parent)
-        for request in requests:
-            self._child_parent[request.request_id] = request_id
-        self._finished_children[request_id] = set()
         try:
             for request in requests:
                 core = 0 if self.router is None else self.router.route(
@@ -267,18 +224,26 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         """Forget a request and abort its children in the core; unknown ids are ignored."""
-        stream = self.streams.pop(request_id, None)
-        if stream is not None and not stream.finished:
-            stream._put(None)  # ends a consumer's iteration
-        self._finished_children.pop(request_id, None)
+        front = self.requests.get(request_id)
+        if front is None:
+            return
+        if not front.stream.finished:
+            front.stream._put(None)  # ends a consumer's iteration
         if self.trace_recorder is not None:
             self.trace_recorder.discard(request_id)
-        child_ids = self.output_processor.remove(request_id)
-        for child_id in child_ids:
-            self._child_parent.pop(child_id, None)
-            self._last_token_time.pop(child_id, None)
-        if child_ids:
-            self._send_aborts(child_ids, "abort")
+        live = self._forget(front)
+        if live:
+            self._send_aborts(live, "abort")
+
+    def _forget(self, front: FrontRequest) -> list[str]:
+        """Drop a request from the front-end: the one place that does. Returns the children still
+        live in the core (for the caller to abort)."""
+        self.requests.pop(front.request_id, None)
+        for child_id in front.child_ids:
+            self._by_child.pop(child_id, None)
+        self.output_processor.remove(front.request_id)
+        live, front.live_child_ids = sorted(front.live_child_ids), set()
+        return live
 
     def _send_aborts(self, child_ids: list[str], status: str) -> None:
         """Abort core requests in the core(s) that hold them; they end for the router too."""
@@ -374,16 +339,14 @@ class AsyncLLM:
                         else:
                             fut.set_exception(PagedError(f"utility call failed in the core: {msg.error}"))
                 elif isinstance(msg, RequestFailed):
-                    parent_id = self._child_parent.get(msg.request_id)
-                    stream = self.streams.get(parent_id) if parent_id is not None else None
-                    if stream is not None:
+                    front = self._by_child.get(msg.request_id)
+                    if front is not None:
                         if msg.http_status:
                             err = RequestRejectedError(msg.message, msg.http_status)
                         else:
                             err = InvalidRequestError(msg.message) if msg.invalid else PagedError(msg.message)
-                        stream._put(err)
-                    if parent_id is not None:
-                        self.abort(parent_id)
+                        front.stream._put(err)
+                        self.abort(front.request_id)
                 elif isinstance(msg, CoreFailed):
                     which = f" (data-parallel rank {msg.dp_rank})" if self.num_cores > 1 else ""
                     self._on_core_death(f"the engine core{which} failed: {msg.message}")
@@ -401,49 +364,48 @@ class AsyncLLM:
         core_outputs = msg.outputs
         now = msg.timestamp
         num_tokens = 0
+        router = self.router
         for out in core_outputs:
             num_tokens += len(out.new_token_ids)
-            last = self._last_token_time.get(out.request_id)
+            finished = out.finish_reason is not None
+            if finished and router is not None:
+                router.finish(out.request_id)
+            front = self._by_child.get(out.request_id)
+            if front is None:
+                continue  # aborted meanwhile
+            last = front.last_token_time.get(out.request_id)
             if last is None:
-                if out.first_token_time is not None and out.request_id in self._child_parent:
+                if out.first_token_time is not None:
                     observer.time_to_first_token(max(out.first_token_time - out.arrival_time, 0.0))
             elif out.new_token_ids:
                 observer.inter_token_latency(max(now - last, 0.0) / len(out.new_token_ids))
-            if out.finish_reason is None:
-                self._last_token_time[out.request_id] = now
-            else:
-                self._last_token_time.pop(out.request_id, None)
+            front.last_token_time[out.request_id] = now
+            if finished:
+                front.live_child_ids.discard(out.request_id)
         observer.generation_tokens(num_tokens)
         outputs, stopped = self.output_processor.process(core_outputs)
-        if stopped:
+        if stopped:  # a stop string ended these children here: the core still runs them
             for child_id in stopped:
-                self._last_token_time.pop(child_id, None)
+                front = self._by_child.get(child_id)
+                if front is not None:
+                    front.live_child_ids.discard(child_id)
             self._send_aborts(stopped, "stop")
         for output in outputs:
-            self._observe_finished(output)
-            stream = self.streams.get(output.request_id)
+            front = self.requests.get(output.request_id)
+            if front is None:
+                continue
+            self._observe_finished(front, output)
+            front.stream._put(output)
             if output.finished:
-                self.streams.pop(output.request_id, None)
-                self._finished_children.pop(output.request_id, None)
                 if self.trace_recorder is not None:
                     self.trace_recorder.finish(output)
-            if stream is not None:
-                stream._put(output)
-        router = self.router
-        for out in core_outputs:
-            if out.finish_reason is not None or out.request_id in stopped:
-                self._child_parent.pop(out.request_id, None)
-                if router is not None:
-                    router.finish(out.request_id)
+                self._forget(front)
 
-    def _observe_finished(self, output: RequestOutput) -> None:
-        done = self._finished_children.get(output.request_id)
-        if done is None:
-            return
+    def _observe_finished(self, front: FrontRequest, output: RequestOutput) -> None:
         for c in output.outputs:
-            if c.finish_reason is None or c.index in done:
+            if c.finish_reason is None or c.index in front.counted_finished:
                 continue
-            done.add(c.index)
+            front.counted_finished.add(c.index)
             self.observer.request_finished(c.finish_reason)
             m = c.metrics
             if m is not None:
@@ -457,20 +419,15 @@ class AsyncLLM:
             return
         self._dead = message
         if not self._shutting_down:
-            logger.error("%s; failing %d pending request(s)", message, len(self.streams))
+            logger.error("%s; failing %d pending request(s)", message, len(self.requests))
             if self.num_cores > 1:
                 self.client.terminate()  # one dead core is a dead engine: stop the others' work now
         err = EngineDeadError(message)
-        for stream in list(self.streams.values()):
-            stream._put(err)
-        self.streams.clear()
+        for front in list(self.requests.values()):
+            front.stream._put(err)
+            self._forget(front)
         if self.router is not None:
             self.router.reset()
-        self._child_parent.clear()
-        self._last_token_time.clear()
-        self._finished_children.clear()
-        for parent_id in list(self.output_processor.parents):
-            self.output_processor.remove(parent_id)
         for fut in self._utility_futures.values():
             if not fut.done():
                 fut.set_exception(EngineDeadError(message))

@@ -1,1 +1,0 @@
-"""Structured-output (grammar) backends bundled with paged: xgrammar and llguidance."""
