@@ -150,21 +150,19 @@ class Int4Weight(_DenseFallback):
         return torch.where((j >= _PACK_ROWS // 2).unsqueeze(-1), raw >> 4, raw & 15).to(torch.int32)
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
-        t, k = ids.shape[0], self.shape[1]
-        sz = self.scales_and_zeros[:, ids]  # [K/G, T, 2]
-        s, z = sz[..., 0].t().unsqueeze(-1), sz[..., 1].t().unsqueeze(-1)  # [T, K/G, 1]
-        q = (self.codes(ids) - 8).to(self.dtype).view(t, k // self.group_size, self.group_size)
-        return (q * s + z).view(t, k)
+        return self._dequantize_codes(self.codes(ids), self.scales_and_zeros[:, ids])
 
     def dequantize(self) -> torch.Tensor:
         return self.embedding(torch.arange(self.shape[0]))
 
-    def _dequantize_codes(self, codes: torch.Tensor) -> torch.Tensor:
-        """``embedding``'s arithmetic over all rows, from unpacked ``codes [N, K]``."""
-        n, k = self.shape
-        s, z = self.scales_and_zeros[..., 0].t().unsqueeze(-1), self.scales_and_zeros[..., 1].t().unsqueeze(-1)
-        q = (codes.to(torch.int32) - 8).to(self.dtype).view(n, k // self.group_size, self.group_size)
-        return (q * s + z).view(n, k)
+    def _dequantize_codes(self, codes: torch.Tensor, sz: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``(code - 8) * s + z`` from unpacked ``codes [T, K]`` and their scales and zeros
+        ``sz [K/G, T, 2]`` (default: all rows), in the activation dtype as the kernel computes."""
+        sz = self.scales_and_zeros if sz is None else sz
+        t, k = codes.shape
+        s, z = sz[..., 0].t().unsqueeze(-1), sz[..., 1].t().unsqueeze(-1)  # [T, K/G, 1]
+        q = (codes.to(torch.int32) - 8).to(self.dtype).view(t, k // self.group_size, self.group_size)
+        return (q * s + z).view(t, k)
 
     def nbytes(self) -> int:
         return self.packed.numel() + self.scales_and_zeros.numel() * self.dtype.itemsize + self._dense_bytes()

@@ -3,13 +3,11 @@ and the engine (mixed batches, reproducibility, preemption, length, bad input) o
 
 import json
 import re
-import shutil
-from pathlib import Path
 
 import jsonschema
-import msgspec
 import pytest
 import torch
+from tiny_llama import save_tiny_llama
 
 from paged.core.errors import InvalidRequestError
 from paged.core.sampling_params import SamplingParams
@@ -38,19 +36,10 @@ def backends(tokenizer):
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory, default_model_dir):
     """A random-weight 1-layer Llama (hidden 32) with the default model's tokenizer, fp32."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     path = tmp_path_factory.mktemp("tiny-structured")
-    config = LlamaConfig(
-        vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-        tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (Path(default_model_dir) / name).is_file():
-            shutil.copy(Path(default_model_dir) / name, path / name)
+    save_tiny_llama(path, default_model_dir, vocab_size=49152, hidden_size=32, intermediate_size=64,
+                    num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                    bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)  # fmt: skip
     return str(path)
 
 

@@ -104,6 +104,7 @@ class EngineCore:
         )
         # Constrained requests whose matcher is being built: outside the scheduler until ready.
         self.compiling: dict[str, tuple[Request, Future]] = {}
+        self._grammars_admitted = False  # until a constrained request runs, steps skip the matcher pass
         self.stats = CoreStats()
         # Called with each step's SchedulerOutput right after scheduling, before the model runs
         # (the policy lab records steps this way); empty in serving.
@@ -146,6 +147,7 @@ class EngineCore:
             del self.compiling[request_id]
             try:
                 request.grammar = future.result()
+                self._grammars_admitted = True
             except Exception as e:
                 logger.warning("request %s: structured output failed to compile: %s", request_id, e)
                 request.status = RequestStatus.FINISHED_ABORTED
@@ -167,7 +169,9 @@ class EngineCore:
         result = self.runner.execute(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, result.sampled_token_ids, result.logprobs)
         # Advance each constrained request's matcher by the token it just received.
-        constrained = {s.request.request_id: s.request for s in scheduler_output.scheduled if s.request.grammar is not None}
+        constrained = {}
+        if self._grammars_admitted:
+            constrained = {s.request.request_id: s.request for s in scheduler_output.scheduled if s.request.grammar is not None}
         for index, output in enumerate(outputs if constrained else ()):
             request = constrained.get(output.request_id)
             if request is None:

@@ -40,18 +40,9 @@ def load_block_scales(model_dir: str | Path) -> dict[str, BlockScales]:
 
 
 def _validated_options(spec: QuantizationMethodSpec, options: dict[str, Any]) -> Any:
-    from pydantic import ValidationError
+    from paged.core.config import _validate_options
 
-    from paged.core.config import format_validation_error
-
-    if spec.options is None:
-        if options:
-            raise ConfigError(f"model.quantization_options: {spec.name!r} takes no options, got {sorted(options)}")
-        return None
-    try:
-        return spec.options.model_validate(options)
-    except ValidationError as e:
-        raise ConfigError(format_validation_error(e, prefix="model.quantization_options.")) from None
+    return _validate_options(spec, options, "model.quantization_options")
 
 
 class Quantizer:
