@@ -20,6 +20,14 @@ against the first contract (``sort_key`` + ``select_victim`` + ``displaces_runni
      times per step. A policy whose waiting requests keep their relative order while they wait
      (e.g. keys that age uniformly) sets ``dynamic_waiting = False``: only the running ones are
      re-keyed, and a waiting request keeps the key it got when it (re-)entered the queue.
+   - grouped waiting (dynamic policies, for long queues): a policy whose key orders the waiting
+     requests of one group the same way at every step (one tenant's requests by arrival, say)
+     defines ``waiting_group(request) -> (group, order)``: a hashable group and a static key
+     within it. The scheduler then keeps one queue per group in ``order`` and re-keys only the
+     first ``waiting_window`` requests of each group (default 1: the heads), so a step costs
+     O(groups x window) key calls instead of O(waiting). With window 1 and a key consistent with
+     ``order`` inside each group, the admission order is exactly that of a full re-key; a larger
+     window bounds how far a request can move ahead of its group's order (cache-aware does this).
 
 2. **admission** - ``admit(request, now) -> Admission``: called when a request arrives (a
    rejection then raises ``RequestRejectedError`` to the caller: HTTP 429 or 503 with the reason)
@@ -59,7 +67,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import TYPE_CHECKING, ClassVar, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, ClassVar, Hashable, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:  # the view wraps the engine's Request; the contract only names it
     from paged.core.engine.request import Request
@@ -192,6 +200,7 @@ class BasePolicy:
     dynamic = False  # True: sort_key(request, now), recomputed every step
     dynamic_waiting = True  # with dynamic: re-key the waiting queue too (False: running only)
     uses_prefix_hits = False  # True: waiting requests' prefix_hit_tokens refreshed before re-keying
+    waiting_window = 1  # with waiting_group: requests per group re-keyed each step
 
     def __init__(self, options=None) -> None:
         self.options = options
@@ -203,6 +212,10 @@ class BasePolicy:
         # Among equal keys the last one (candidates are in running order): a request never
         # preempts itself while an equal one behind it keeps running.
         return max(reversed(candidates), key=lambda r: r.sort_key)
+
+    def waiting_group(self, request: RequestView) -> tuple[Hashable, tuple] | None:
+        # Not called unless a subclass defines it (the scheduler checks with ``overrides``).
+        return None
 
     def admit(self, request: RequestView, now: float) -> Admission:
         return Admission.ACCEPT

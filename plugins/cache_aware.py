@@ -10,8 +10,11 @@ arrival, in proportion to the cached share of its prompt: the key is ``arrival_t
 cached / prompt``. So a request is only ever overtaken by requests that arrived less than
 ``window_s`` after it: no starvation, and ``window_s = 0`` is FCFS.
 
-The cached length is the scheduler's prefix lookup for each waiting request, refreshed before each
-re-key (``uses_prefix_hits``).
+The cached length is the scheduler's prefix lookup, refreshed before each re-key
+(``uses_prefix_hits``) for the ``window_requests`` oldest waiting requests only (one group in
+arrival order, ``waiting_window``): a long queue costs that many lookups a step, not one per
+waiting request, and the requests behind them wait their FCFS turn (SGLang likewise drops lpm
+for FCFS past 128 waiting requests).
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ class CacheAwareOptions(BaseModel):
     window_s: float = Field(
         5.0, ge=0.0, description="seconds of arrival a fully cached request may move ahead (0 = FCFS)"
     )
+    window_requests: int = Field(
+        128, ge=1, description="oldest waiting requests whose cached prefix is looked up each step"
+    )
 
 
 class CacheAwarePolicy(BasePolicy):
@@ -38,7 +44,11 @@ class CacheAwarePolicy(BasePolicy):
 
     def __init__(self, options: CacheAwareOptions | None = None) -> None:
         super().__init__(options or CacheAwareOptions())
+        self.waiting_window = self.options.window_requests
 
     def sort_key(self, request: RequestView, now: float) -> tuple:
         cached_share = min(request.prefix_hit_tokens / request.num_prompt_tokens, 1.0)
         return (request.arrival_time - self.options.window_s * cached_share, request.arrival_time)
+
+    def waiting_group(self, request: RequestView) -> tuple[None, tuple]:
+        return None, (request.arrival_time,)

@@ -10,6 +10,7 @@ flooding the server then only delays itself: the others keep their share.
 Tenants are the requests' ``tenant`` (the OpenAI ``user`` field); requests without one share the
 tenant ``""``. ``tenant_weights`` gives a tenant a larger share (service is divided by its weight).
 The counters are updated from each step's ``on_step`` stats; the key is dynamic (it reads them).
+The waiting queue is grouped by tenant (``waiting_group``): a step re-keys one request per tenant.
 """
 
 from __future__ import annotations
@@ -73,6 +74,11 @@ class FairPolicy(BasePolicy):
 
     def sort_key(self, request: RequestView, now: float) -> tuple:
         return (self.counters.get(self.tenant_of(request), 0.0), request.arrival_time)
+
+    def waiting_group(self, request: RequestView) -> tuple[str, tuple]:
+        # One tenant's requests share its counter: arrival orders them at every step, so only
+        # each tenant's oldest waiting request needs its key (exact, O(tenants) a step).
+        return self.tenant_of(request), (request.arrival_time,)
 
     def on_step(self, stats: StepStats) -> None:
         options, counters = self.options, self.counters

@@ -58,3 +58,19 @@ class AdversarialPolicy(BasePolicy):
                     setattr(view, name, 0)
                 except AttributeError:
                     self.mutation_errors += 1
+
+
+class AdversarialGroupedPolicy(AdversarialPolicy):
+    """The same with a grouped waiting queue (``waiting_group``): random groups, a random order
+    within them that the random keys do not follow, a random window."""
+
+    name = "adversarial-grouped"
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed)
+        self.waiting_window = self.rng.choice([1, 2, 3])
+
+    def waiting_group(self, request):
+        if self.calm:
+            return None, (request.arrival_time,)
+        return self.rng.choice("abc"), (self.rng.choice([0, 1, self.rng.random()]),)

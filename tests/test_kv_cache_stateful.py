@@ -34,7 +34,7 @@ from paged.plugins.fair import FairOptions, FairPolicy
 from paged.plugins.policies import FCFSPolicy, PriorityOptions, PriorityPolicy
 from paged.plugins.slo import SLOOptions, SLOPolicy
 from paged.plugins.srpt import SRPTOptions, SRPTPolicy
-from adversarial_policy import AdversarialPolicy
+from adversarial_policy import AdversarialGroupedPolicy, AdversarialPolicy
 
 # Every bundled policy, some with options that exercise more of the contract, and a policy whose
 # every decision is random ("adversarial"): none may break an invariant.
@@ -84,6 +84,8 @@ class KVCacheMachine(RuleBasedStateMachine):
             threshold = 0
         if policy == "adversarial":
             pol = AdversarialPolicy(data.draw(st.integers(0, 2**16), label="seed"))
+        elif policy == "adversarial-grouped":
+            pol = AdversarialGroupedPolicy(data.draw(st.integers(0, 2**16), label="seed"))
         else:
             pol = POLICIES[policy]()
         self.policy = pol
@@ -447,3 +449,4 @@ TestSLOCaching = _test_case("slo", True)
 TestSLODeferCaching = _test_case("slo-defer", True)
 TestAdversarialCaching = _test_case("adversarial", True)
 TestAdversarialNoCaching = _test_case("adversarial", False)
+TestAdversarialGroupedCaching = _test_case("adversarial-grouped", True)

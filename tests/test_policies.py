@@ -4,11 +4,14 @@ requests; then the fairness and cache-aware targets as small simulated lab repla
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from paged.core.engine.kv_cache_manager import KVCacheManager
 from paged.core.engine.request import Request, RequestStatus
 from paged.core.engine.scheduler import Scheduler
+from paged.core.engine.waiting_queue import GroupedWaitingQueue
 from paged.core.errors import RequestRejectedError
 from paged.core.policy import Admission, BasePolicy, BudgetSplit
 from paged.core.sampling_params import SamplingParams
@@ -249,6 +252,90 @@ def test_cache_aware_admits_the_cached_prefix_first_within_its_window():
     assert [s.request.request_id for s in step(sched).scheduled] == ["cold"]
 
 
+def test_grouped_waiting_queue_head_is_the_brute_force_minimum():
+    """With a key that orders each group by its in-group order (window 1), the grouped queue's
+    head is the least key over every waiting request, through pushes out of order, pops, removes
+    and re-keys after the keys change."""
+    rng = random.Random(0)
+    counters = {t: 0.0 for t in "abcd"}
+
+    def key(r):
+        return (counters[r.tenant], r.arrival_time)
+
+    queue = GroupedWaitingQueue(lambda r: (r.tenant, (r.arrival_time,)), 1)
+    live: list[Request] = []
+    for i in range(3000):
+        op = rng.random()
+        if op < 0.45 or not live:
+            r = req(f"r{i}", tenant=rng.choice("abcd"), arrival=rng.uniform(0, 100))
+            r.sort_key = key(r)
+            queue.push(r)
+            live.append(r)
+        elif op < 0.75:
+            popped = queue.pop()
+            assert popped is min(live, key=key)
+            live.remove(popped)
+            if rng.random() < 0.3:  # preempted: back at its place
+                queue.push(popped)
+                live.append(popped)
+        elif op < 0.85:
+            victim = rng.choice(live)
+            assert queue.remove(victim) and not queue.remove(victim)
+            live.remove(victim)
+        else:
+            counters[rng.choice("abcd")] += rng.uniform(0, 50)
+            queue.rekey(key)
+        assert len(queue) == len(live)
+        assert queue.peek() is (min(live, key=key) if live else None)
+    assert sorted(id(r) for r in queue) == sorted(id(r) for r in live)
+
+
+class _FullRekey:
+    """Mixin: the policy without its waiting_group, so the scheduler re-keys every waiting request."""
+
+    waiting_group = BasePolicy.waiting_group
+
+
+class _FairFull(_FullRekey, FairPolicy):
+    pass
+
+
+class _CacheAwareFull(_FullRekey, CacheAwarePolicy):
+    pass
+
+
+def _schedule_trace(policy, seed: int) -> list:
+    rng = random.Random(seed)
+    clock = Clock()
+    sched = make(policy, clock, num_blocks=64, max_num_seqs=4, budget=32)
+    prefixes = [list(range(3000 + 100 * k, 3000 + 100 * k + 8)) for k in range(3)]
+    trace, pending = [], 0
+    for step_no in range(400):
+        if pending < 60 and rng.random() < 0.5:
+            for _ in range(rng.randrange(1, 4)):
+                tokens = rng.choice(prefixes) + [rng.randrange(1, 999) for _ in range(rng.randrange(1, 12))]
+                sched.add_request(req(f"q{pending}", tokens=tokens, max_tokens=rng.randrange(1, 6), arrival=clock.t,
+                                      tenant=rng.choice(["heavy"] * 4 + ["x", "y"])))  # fmt: skip
+                pending += 1
+        out = step(sched)
+        trace.append([(s.request.request_id, s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled])
+        clock.t += 0.05
+    return trace
+
+
+def test_fair_grouped_queue_schedules_exactly_as_a_full_rekey():
+    for seed in range(3):
+        grouped, full = _schedule_trace(FairPolicy(), seed), _schedule_trace(_FairFull(), seed)
+        assert grouped == full and sum(map(len, grouped)) > 100
+
+
+def test_cache_aware_window_covering_the_queue_schedules_as_a_full_rekey():
+    options = CacheAwareOptions(window_s=1.0, window_requests=1000)
+    for seed in range(3):
+        grouped = _schedule_trace(CacheAwarePolicy(options), seed)
+        assert grouped == _schedule_trace(_CacheAwareFull(options), seed) and sum(map(len, grouped)) > 100
+
+
 def test_slo_is_edf_and_rejects_what_cannot_meet_its_deadline():
     clock = Clock()
     policy = SLOPolicy(SLOOptions(initial_step_time_s=0.1))
@@ -350,3 +437,34 @@ def test_llm_takes_tenant_and_deadline_and_reports_rejections(default_model_dir)
         assert not llm.engine.has_unfinished_requests()
     finally:
         llm.shutdown()
+
+
+def test_readme_policy_examples_schedule_a_workload_to_completion():
+    """Every example in the README's "Writing a policy" section defines a working policy."""
+    import collections
+    import re
+    from pathlib import Path
+
+    from paged.plugins.policies import PriorityPolicy
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("### Writing a policy", 1)[1].split("\n### ", 1)[0]
+    blocks = re.findall(r"^```python\n(.*?)^```", section, flags=re.S | re.M)
+    namespace = {"collections": collections, "BasePolicy": BasePolicy, "Admission": Admission,
+                 "BudgetSplit": BudgetSplit, "FCFSPolicy": FCFSPolicy, "PriorityPolicy": PriorityPolicy}  # fmt: skip
+    before = set(namespace)
+    for block in blocks:
+        exec(block, namespace)
+    classes = [v for k, v in namespace.items() if k not in before and isinstance(v, type)]
+    assert len(classes) == len(blocks) >= 7
+    for cls in classes:
+        clock = Clock()
+        sched = make(cls(), clock, max_num_seqs=3, budget=16)
+        for k in range(10):
+            sched.add_request(req(f"{cls.name}-{k}", n=4 + 3 * k, max_tokens=1 + k % 3, arrival=k * 0.01, tenant="ab"[k % 2]))
+        for _ in range(200):
+            if not sched.has_unfinished_requests():
+                break
+            step(sched)
+            clock.t += 0.01
+        assert not sched.has_unfinished_requests(), cls.name

@@ -20,16 +20,10 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "abort"
     FINISHED_REJECTED = "rejected"  # the policy's admission control turned it away
 
-    @property
-    def finished(self) -> bool:
-        return self in (
-            RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
-            RequestStatus.FINISHED_REJECTED,
-        )
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.value if self.finished else None
+    def __init__(self, value: str) -> None:
+        # Plain attributes, not properties: read for every scheduled request at every step.
+        self.finished: bool = value in ("stop", "length", "abort", "rejected")
+        self.finish_reason: str | None = value if self.finished else None
 
 
 @dataclass(eq=False)

@@ -3,8 +3,9 @@
 One ``schedule()`` per engine step:
 
 0. *Policy state* (paged.core.policy): a dynamic policy's keys are recomputed (the running list
-   re-sorted; the waiting queue re-keyed when admission or displacement may happen), and the
-   policy's budget split for the step is read.
+   re-sorted; the waiting queue re-keyed when admission or displacement may happen: all of it,
+   or with ``waiting_group`` only each group's first ``waiting_window``), and the policy's
+   budget split for the step is read.
 1. *Displacement* (policies with ``displaces_running``): while the best waiting request sorts
    before the policy's victim among the running ones and cannot be admitted (batch full at
    ``max_num_seqs``, or too few free blocks), preempt that victim.
@@ -38,7 +39,7 @@ from paged.core.engine.outputs import EngineCoreOutput
 from paged.core.engine.policy_inputs import budget_split, step_stats
 from paged.core.engine.request import Request, RequestStatus
 from paged.core.engine.sampler import TokenLogprobs
-from paged.core.engine.waiting_queue import WaitingQueue
+from paged.core.engine.waiting_queue import GroupedWaitingQueue, WaitingQueue
 from paged.core.policy import MAX_DEFERRALS_PER_STEP, Admission, SchedulingPolicy, overrides
 from paged.core.utils import cdiv
 
@@ -122,7 +123,11 @@ class Scheduler:
                 f"it needs enable_chunked_prefill (or 0)"
             )
         self.requests: dict[str, Request] = {}
-        self.waiting = WaitingQueue()
+        if self._dynamic_waiting and overrides(policy, "waiting_group"):
+            group_of = policy.waiting_group
+            self.waiting = GroupedWaitingQueue(lambda r: group_of(r.view), getattr(policy, "waiting_window", 1))
+        else:
+            self.waiting = WaitingQueue()
         self.running: list[Request] = []  # in policy order (sorted by sort_key)
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
@@ -221,11 +226,17 @@ class Scheduler:
         output.rejected.append(request)
 
     def _rekey_waiting(self, now: float) -> None:
-        if self._uses_prefix_hits:
-            for request in self.waiting:
-                request.prefix_hit_tokens = self.kv.get_computed_blocks(request, record_stats=False)[1]
         key = self.policy.sort_key
-        self.waiting.rekey(lambda r: key(r.view, now))
+        if not self._uses_prefix_hits:
+            self.waiting.rekey(lambda r: key(r.view, now))
+            return
+        lookup = self.kv.get_computed_blocks
+
+        def key_with_hits(request: Request) -> tuple:
+            request.prefix_hit_tokens = lookup(request, record_stats=False)[1]
+            return key(request.view, now)
+
+        self.waiting.rekey(key_with_hits)
 
     def _displace(self, output: SchedulerOutput) -> None:
         while self.running:
