@@ -59,6 +59,12 @@ class ModelConfig(_Section):
     cpu_prepack_weights: bool = Field(
         True, description="bfloat16 on a CPU: linear weights in oneDNN's packed layout (faster small-batch GEMMs)"
     )
+    compile: bool = Field(
+        False,
+        description="steps of up to compile_max_tokens tokens through torch.compile (inductor), attention opaque: "
+        "1.25x at batch 1-2 with quantized weights on a CPU, ~60 s more start-up (benchmarks/compiled_step.py)",
+    )
+    compile_max_tokens: int = Field(2, ge=1, description="with model.compile: steps of up to this many tokens run compiled")
 
 
 class CacheConfig(_Section):

@@ -5,6 +5,7 @@ requests; then the fairness and cache-aware targets as small simulated lab repla
 from __future__ import annotations
 
 import random
+import zlib
 
 import pytest
 
@@ -37,7 +38,10 @@ def make(policy, clock=None, num_blocks=256, block_size=4, max_num_seqs=8, budge
 
 
 def req(rid, n=8, max_tokens=4, arrival=0.0, tokens=None, tenant=None, deadline=None, base=None):
-    tokens = tokens if tokens is not None else list(range(base or 1000 + 100 * hash(rid) % 9000, (base or 1000 + 100 * hash(rid) % 9000) + n))
+    # Each id its own tokens, the same in every run (str hash() is salted per process: two ids
+    # could share tokens, and so prefix-cache hits, in one run out of ~25).
+    start = base or 1000 + 8 * (zlib.crc32(rid.encode()) % 1100)
+    tokens = tokens if tokens is not None else list(range(start, start + n))
     return Request(rid, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_time=arrival,
                    max_tokens=max_tokens, tenant=tenant, deadline=deadline)  # fmt: skip
 

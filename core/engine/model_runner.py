@@ -28,6 +28,7 @@ import torch
 
 from paged.core.attention import AttentionLayout, BatchInputs
 from paged.core.config import EngineConfig, ResolvedPlugins
+from paged.core.engine.compiled_step import CompiledForward, OpaqueAttention
 from paged.core.engine.distributed import get_tp, shard_heads
 from paged.core.utils import cdiv
 from paged.core.engine.sampler import Sampler, SamplerOutput
@@ -109,7 +110,10 @@ class ModelRunner:
             num_layers, heads.num_heads, heads.num_kv_heads, head_dim, self.block_size, self.dtype, device
         )
         self.backend = plugins.attention.factory(self.layout, plugins.attention_options)
-        self.model = build_model(model.model_dir, model.hf_config, model.spec.factory, self.backend, self.dtype, device)
+        compile_steps = config.model.compile and self._can_compile()
+        # Compiled, the model holds an OpaqueAttention: attention through a custom op dynamo does not trace.
+        model_backend = OpaqueAttention(self.backend) if compile_steps else self.backend
+        self.model = build_model(model.model_dir, model.hf_config, model.spec.factory, model_backend, self.dtype, device)
         self._quantize(config, registry, device)
         prepack = getattr(self.model, "prepack_weights", None)
         if prepack is not None and device.type == "cpu" and self.dtype == torch.bfloat16 and config.model.cpu_prepack_weights:
@@ -119,6 +123,13 @@ class ModelRunner:
 
         self.num_blocks = self._agree_on_num_blocks(self._determine_num_blocks())
         self.kv_caches = self.backend.allocate_kv_cache(self.num_blocks)
+        self.forward_model = self.model  # (input_ids, positions, kv_caches, metadata) -> hidden
+        if compile_steps:
+            compiled = CompiledForward(self.model, config.model.compile_max_tokens)
+            self.forward_model = compiled
+            seconds = compiled.warm_up(self._dummy_forward)
+            logger.info("model.compile: %s in %.1f s (steps of up to %d tokens)",
+                        "eager fallback" if compiled.failed else "compiled", seconds, compiled.max_tokens)  # fmt: skip
         self.max_blocks_per_req = cdiv(self.max_model_len, self.block_size)
         max_seqs = config.scheduler.max_num_seqs
         self._block_table = np.zeros((max_seqs, self.max_blocks_per_req), dtype=np.int32)
@@ -135,6 +146,19 @@ class ModelRunner:
             self.max_model_len,
             capacity / self.max_model_len,
         )
+
+    def _can_compile(self) -> bool:
+        if self.tp.size > 1:  # the layers' collectives would be traced too: not measured, not supported
+            logger.warning("model.compile: not used with tensor parallelism (%d ranks); running eager", self.tp.size)
+            return False
+        return True
+
+    @torch.inference_mode()
+    def _dummy_forward(self, num_tokens: int) -> None:
+        """One ``num_tokens``-token prefill through ``forward_model`` into the first blocks (at
+        start-up, before any request holds them)."""
+        batch, input_ids, positions = self._dummy_batch([num_tokens], [list(range(cdiv(num_tokens, self.block_size)))])
+        self.forward_model(input_ids, positions, self.kv_caches, self.backend.build_metadata(batch))
 
     def _quantize(self, config: EngineConfig, registry, device: torch.device) -> None:
         from paged.core.loading.quantize import make_quantizer
@@ -342,7 +366,7 @@ class ModelRunner:
         input_ids = torch.from_numpy(inputs.input_ids).to(self.device)
         positions = torch.from_numpy(inputs.positions).to(self.device)
         metadata = self.backend.build_metadata(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+        hidden = self.forward_model(input_ids, positions, self.kv_caches, metadata)
         if not len(inputs.logits_rows):
             return None
         return self.model.compute_logits(hidden[torch.from_numpy(inputs.logits_rows).to(self.device)])

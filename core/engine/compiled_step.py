@@ -1,0 +1,104 @@
+"""``model.compile``: small steps through a compiled forward (``torch.compile``, inductor), with
+each layer's attention an opaque custom op.
+
+The model keeps calling ``backend.forward(q, k, v, kv_cache, attn_metadata)``; when compiling,
+the backend it holds is an ``OpaqueAttention``, whose ``forward`` is the custom op
+``paged::attention(q, k, v, layer, backend_id)``, and the model gets the layer indices where it
+would get the KV caches. Dynamo traces the dense part (embedding, norms, projections, rotary,
+MLP) and never the paged cache or the backend's metadata object: the runner's ``CompiledForward``
+keeps the step's caches and metadata here, and the op hands them to the real backend.
+
+Only steps of at most ``model.compile_max_tokens`` tokens run compiled (by default 2: decode of
+one or two requests, where eager per-op overhead is largest against the work); larger ones run
+the same modules eagerly. Why not more: with quantized weights, larger batches use oneDNN's
+packed dense copies (``mkldnn._linear_pointwise`` on a packed weight), which inductor cannot
+lower; where that happens (or anything else fails to compile) the forward warns once and stays
+eager. Measured (``benchmarks/compiled_step.py --freezing --cpp-wrapper``, the settings used
+here): 1.24x at one request and 1.27x at two, at a start-up cost of ~60 s on 2 cores (inductor's
+caches make later start-ups shorter).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+from torch import Tensor
+
+logger = logging.getLogger("paged")
+
+# The step's KV caches and attention metadata (one engine core per process, one step at a
+# time), and the backends the op can reach by id: ints cross the op boundary, objects cannot.
+_step: dict[str, Any] = {"kv_caches": None, "metadata": None}
+_backends: list[Any] = []
+
+
+@torch.library.custom_op("paged::attention", mutates_args=())
+def paged_attention(q: Tensor, k: Tensor, v: Tensor, layer: int, backend_id: int) -> Tensor:
+    """The backend's paged attention for the current step's layer ``layer``: ``[T, H, D]`` like
+    ``q``. It writes K/V into the step's cache, which lives outside the graph (as the model's
+    weights do not): the compiler sees no cache, so none is copied or guarded."""
+    out = _backends[backend_id].forward(q, k, v, _step["kv_caches"][layer], _step["metadata"])
+    return out.reshape(q.shape).contiguous()  # a fresh tensor from the backend, never an input
+
+
+@paged_attention.register_fake
+def _(q, k, v, layer, backend_id):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+class OpaqueAttention:
+    """Stands for an attention backend inside a compiled model: ``forward`` goes through
+    ``paged::attention``, and the model's "KV caches" are the layer indices (the model passes
+    each layer its entry untouched, as the model contract says); every other attribute is the
+    backend's."""
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+        self._id = len(_backends)
+        _backends.append(backend)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: int, attn_metadata: Any) -> Tensor:
+        return torch.ops.paged.attention(q, k, v, kv_cache, self._id)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+
+class CompiledForward:
+    """``forward(input_ids, positions, kv_caches, metadata)`` of a model built around an
+    ``OpaqueAttention``: compiled for steps of at most ``max_tokens`` tokens, eager otherwise and
+    for good after a compilation failure (one warning)."""
+
+    def __init__(self, model: torch.nn.Module, max_tokens: int) -> None:
+        self.model = model
+        self.max_tokens = max_tokens
+        self.failed = False
+        # Freezing (weights as constants) and the C++ wrapper: 1.24-1.27x against 1.10-1.11x
+        # without, for twice the compile time (benchmarks/compiled_step.py, both measured).
+        self._compiled = torch.compile(model, dynamic=True, options={"freezing": True, "cpp_wrapper": True})
+
+    def __call__(self, input_ids: Tensor, positions: Tensor, kv_caches: list, metadata: Any) -> Tensor:
+        _step["kv_caches"], _step["metadata"] = kv_caches, metadata
+        layers = list(range(len(kv_caches)))  # what the model passes on to each layer's attention
+        if self.failed or input_ids.shape[0] > self.max_tokens:
+            return self.model(input_ids, positions, layers, metadata)
+        try:
+            return self._compiled(input_ids, positions, layers, metadata)
+        except Exception as e:  # inductor/dynamo errors have no common base: any failure falls back
+            self.failed = True
+            logger.warning("model.compile: compiling the forward failed, running eager from now on (%s: %s)",
+                           type(e).__name__, str(e).splitlines()[0] if str(e) else "")  # fmt: skip
+            return self.model(input_ids, positions, layers, metadata)
+
+    def warm_up(self, dummy_step) -> float:
+        """Compile now for 1..max_tokens tokens (``dummy_step(n)`` runs one n-token forward
+        through this object); returns the seconds it took."""
+        start = time.perf_counter()
+        for num_tokens in sorted({1, min(2, self.max_tokens), self.max_tokens}):
+            if self.failed:
+                break
+            dummy_step(num_tokens)
+        return time.perf_counter() - start
