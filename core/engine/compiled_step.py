@@ -38,8 +38,8 @@ _backends: list[Any] = []
 @torch.library.custom_op("paged::attention", mutates_args=())
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, layer: int, backend_id: int) -> Tensor:
     """The backend's paged attention for the current step's layer ``layer``: ``[T, H, D]`` like
-    ``q``. It writes K/V into the step's cache, which lives outside the graph (as the model's
-    weights do not): the compiler sees no cache, so none is copied or guarded."""
+    ``q``. It writes K/V into the step's cache, which lives outside the graph: the compiler sees
+    no cache, so none is copied, functionalized or guarded."""
     out = _backends[backend_id].forward(q, k, v, _step["kv_caches"][layer], _step["metadata"])
     return out.reshape(q.shape).contiguous()  # a fresh tensor from the backend, never an input
 
@@ -50,18 +50,21 @@ def _(q, k, v, layer, backend_id):
 
 
 class OpaqueAttention:
-    """Stands for an attention backend inside a compiled model: ``forward`` goes through
-    ``paged::attention``, and the model's "KV caches" are the layer indices (the model passes
-    each layer its entry untouched, as the model contract says); every other attribute is the
-    backend's."""
+    """Stands for an attention backend inside a compiled model. In a compiled forward the
+    model's "KV caches" are the layer indices (the model passes each layer its entry untouched,
+    as the model contract says) and ``forward`` goes through ``paged::attention``; in an eager
+    forward they are the real caches and ``forward`` is the backend's. Every other attribute is
+    the backend's."""
 
     def __init__(self, backend: Any) -> None:
         self._backend = backend
         self._id = len(_backends)
         _backends.append(backend)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: int, attn_metadata: Any) -> Tensor:
-        return torch.ops.paged.attention(q, k, v, kv_cache, self._id)
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Any, attn_metadata: Any) -> Tensor:
+        if isinstance(kv_cache, int):  # decided while tracing: the compiled graph has only the op
+            return torch.ops.paged.attention(q, k, v, kv_cache, self._id)
+        return self._backend.forward(q, k, v, kv_cache, attn_metadata)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._backend, name)
@@ -81,17 +84,17 @@ class CompiledForward:
         self._compiled = torch.compile(model, dynamic=True, options={"freezing": True, "cpp_wrapper": True})
 
     def __call__(self, input_ids: Tensor, positions: Tensor, kv_caches: list, metadata: Any) -> Tensor:
+        if self.failed or input_ids.shape[0] > self.max_tokens:
+            return self.model(input_ids, positions, kv_caches, metadata)
         _step["kv_caches"], _step["metadata"] = kv_caches, metadata
         layers = list(range(len(kv_caches)))  # what the model passes on to each layer's attention
-        if self.failed or input_ids.shape[0] > self.max_tokens:
-            return self.model(input_ids, positions, layers, metadata)
         try:
             return self._compiled(input_ids, positions, layers, metadata)
         except Exception as e:  # inductor/dynamo errors have no common base: any failure falls back
             self.failed = True
             logger.warning("model.compile: compiling the forward failed, running eager from now on (%s: %s)",
                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")  # fmt: skip
-            return self.model(input_ids, positions, layers, metadata)
+            return self.model(input_ids, positions, kv_caches, metadata)
 
     def warm_up(self, dummy_step) -> float:
         """Compile now for 1..max_tokens tokens (``dummy_step(n)`` runs one n-token forward
