@@ -24,7 +24,10 @@ on nothing else, and in this order:
 6. Per step: ``model(input_ids[T], positions[T], kv_caches, attn_metadata) -> hidden [T, H]``
    over the flattened batch (every rank), then ``model.compute_logits(hidden[N]) -> [N, vocab]``
    float32 on rank 0 and ``None`` on every other rank (the vocabulary-parallel head gathers
-   onto rank 0, where the sampler lives).
+   onto rank 0, where the sampler lives). Each layer hands its ``kv_caches`` entry and
+   ``attn_metadata`` to ``backend.forward(q, k, v, kv_cache, attn_metadata)`` untouched: with
+   ``model.compile`` the entries are layer indices and the backend an opaque custom op
+   (``paged.core.engine.compiled_step``); a model that reads its caches itself runs eager.
 """
 
 from __future__ import annotations
