@@ -62,7 +62,7 @@ class ModelConfig(_Section):
     compile: bool = Field(
         False,
         description="steps of up to compile_max_tokens tokens through torch.compile (inductor), attention opaque: "
-        "1.25x at batch 1-2 with quantized weights on a CPU, ~60 s more start-up (benchmarks/compiled_step.py)",
+        "1.1-1.2x at batch 1-2 with quantized weights on a CPU, 20-120 s more start-up (benchmarks/compiled_step.py)",
     )
     compile_max_tokens: int = Field(2, ge=1, description="with model.compile: steps of up to this many tokens run compiled")
 

@@ -10,7 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from test_quantization import _tiny_llama
+from tiny_llama import save_tiny_llama
+
+# Projections the int4 layout holds (multiples of 64), the default model's tokenizer.
+INT4_TINY = dict(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
 
 
 def _prompts():
@@ -23,7 +27,8 @@ def test_compiled_small_steps_give_the_eager_greedy_tokens(tmp_path, default_mod
     from paged import LLM, SamplingParams
     from paged.core.engine.compiled_step import CompiledForward
 
-    model_dir = _tiny_llama(tmp_path, default_model_dir)
+    save_tiny_llama(tmp_path, default_model_dir, **INT4_TINY)
+    model_dir = str(tmp_path)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     common = dict(device="cpu", dtype="float32", attention="torch", quantization="int4",
                   quantization_options={"dense_copy": False}, num_kv_blocks=64)  # fmt: skip
@@ -61,7 +66,8 @@ def test_what_inductor_cannot_lower_falls_back_to_eager_with_one_warning(tmp_pat
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("oneDNN is not available: nothing is packed")
-    model_dir = _tiny_llama(tmp_path, default_model_dir)
+    save_tiny_llama(tmp_path, default_model_dir, **INT4_TINY)
+    model_dir = str(tmp_path)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     common = dict(device="cpu", dtype="bfloat16", attention="torch", quantization="none", num_kv_blocks=64)
     expected = LLM(model_dir, **common).generate(_prompts(), params, use_tqdm=False)

@@ -13,9 +13,9 @@ one or two requests, where eager per-op overhead is largest against the work); l
 the same modules eagerly. Why not more: with quantized weights, larger batches use oneDNN's
 packed dense copies (``mkldnn._linear_pointwise`` on a packed weight), which inductor cannot
 lower; where that happens (or anything else fails to compile) the forward warns once and stays
-eager. Measured (``benchmarks/compiled_step.py --freezing --cpp-wrapper``, the settings used
-here): 1.24x at one request and 1.27x at two, at a start-up cost of ~60 s on 2 cores (inductor's
-caches make later start-ups shorter).
+eager. Measured (``benchmarks/compiled_step.py``, which runs this class): 1.16x at one request
+and 1.18x at two with freezing and the C++ wrapper (the default here), 1.13x / 1.16x without, at
+a start-up cost of 20-120 s on 2 cores (inductor's caches make later start-ups shorter).
 """
 
 from __future__ import annotations
@@ -75,21 +75,26 @@ class CompiledForward:
     ``OpaqueAttention``: compiled for steps of at most ``max_tokens`` tokens, eager otherwise and
     for good after a compilation failure (one warning)."""
 
-    def __init__(self, model: torch.nn.Module, max_tokens: int) -> None:
+    # Freezing (weights as constants) and the C++ wrapper: 1.16-1.18x against 1.13-1.16x
+    # without (benchmarks/compiled_step.py [--inductor-defaults], one run each).
+    DEFAULT_OPTIONS = {"freezing": True, "cpp_wrapper": True}
+
+    def __init__(self, model: torch.nn.Module, max_tokens: int, options: dict | None = None) -> None:
         self.model = model
         self.max_tokens = max_tokens
         self.failed = False
-        # Freezing (weights as constants) and the C++ wrapper: 1.24-1.27x against 1.10-1.11x
-        # without, for twice the compile time (benchmarks/compiled_step.py, both measured).
-        self._compiled = torch.compile(model, dynamic=True, options={"freezing": True, "cpp_wrapper": True})
+        self._layers: list[int] = []  # what the model passes on to each layer's attention
+        options = self.DEFAULT_OPTIONS if options is None else options
+        self._compiled = torch.compile(model, dynamic=True, options=options)
 
     def __call__(self, input_ids: Tensor, positions: Tensor, kv_caches: list, metadata: Any) -> Tensor:
         if self.failed or input_ids.shape[0] > self.max_tokens:
             return self.model(input_ids, positions, kv_caches, metadata)
         _step["kv_caches"], _step["metadata"] = kv_caches, metadata
-        layers = list(range(len(kv_caches)))  # what the model passes on to each layer's attention
+        if len(self._layers) != len(kv_caches):
+            self._layers = list(range(len(kv_caches)))
         try:
-            return self._compiled(input_ids, positions, layers, metadata)
+            return self._compiled(input_ids, positions, self._layers, metadata)
         except Exception as e:  # inductor/dynamo errors have no common base: any failure falls back
             self.failed = True
             logger.warning("model.compile: compiling the forward failed, running eager from now on (%s: %s)",

@@ -71,7 +71,8 @@ class GroupedWaitingQueue:
     Invariants: every member has exactly one live entry, in its group's list (sorted by
     ``(order, seq)``); after each push, pop, remove or rekey, the first ``window`` live entries of
     every group are in the candidate heap with a key from the last ``rekey`` (the key the request
-    entered with before the first one). Entries are identified by their ``seq``: a stale heap or
+    entered with before the first one); ``_candidate_seqs`` holds the seqs of live candidates only
+    (pop and remove take theirs out). Entries are identified by their ``seq``: a stale heap or
     list entry (removed, popped, re-pushed) is skipped and dropped when met."""
 
     def __init__(self, group_of, window: int = 1) -> None:
@@ -125,10 +126,9 @@ class GroupedWaitingQueue:
         heap = self._candidates
         while heap:
             _, seq, request = heap[0]
-            if seq in self._candidate_seqs and self._is_live(seq, request):
+            if seq in self._candidate_seqs:
                 return request
-            heapq.heappop(heap)
-            self._candidate_seqs.discard(seq)
+            heapq.heappop(heap)  # removed, or left from before the last rekey
         return None
 
     def pop(self) -> Request:
@@ -171,7 +171,7 @@ class GroupedWaitingQueue:
 
     def __iter__(self):
         """Members: the candidates in key order, then the others in their groups' order."""
-        candidates = sorted(e for e in self._candidates if e[1] in self._candidate_seqs and self._is_live(e[1], e[2]))
+        candidates = sorted(e for e in self._candidates if e[1] in self._candidate_seqs)
         rest = sorted(
             e for entries in self._groups.values() for e in entries
             if e[1] not in self._candidate_seqs and self._is_live(e[1], e[2])
