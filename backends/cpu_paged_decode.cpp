@@ -1,9 +1,11 @@
 // The fused CPU paged-decode attention kernel; built and loaded by cpu_paged_decode.py
-// (see its docstring for the algorithm and the build).
+// (see its docstring for the algorithm and the build). `vec`, `W` and `load_vec` come from
+// core/native_vec.h, which the build puts before this source.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
+#include <torch/python.h>
 
 #include <algorithm>
 #include <cmath>
@@ -17,38 +19,6 @@ namespace {
 // Positions per online-softmax step: the accumulator is rescaled once per tile, and a KV head's
 // tile rows (TILE x D each for K and V) stay in L1/L2 while the G query heads of its group use them.
 constexpr int64_t TILE = 64;
-constexpr int W = 16;  // fp32 lanes of `vec`
-
-// A GCC/Clang vector extension: 16 fp32 lanes, lowered to whatever the CPU has (one AVX-512
-// register, two AVX2 ones, four NEON ones).
-typedef float vec __attribute__((vector_size(64)));
-
-template <typename T>
-inline vec load(const T* p) {  // 16 values widened to fp32 (the generic case: fp16)
-  float f[W];
-  for (int i = 0; i < W; ++i) f[i] = static_cast<float>(p[i]);
-  vec v;
-  std::memcpy(&v, f, sizeof v);
-  return v;
-}
-template <>
-inline vec load<float>(const float* p) {
-  vec v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-template <>
-inline vec load<c10::BFloat16>(const c10::BFloat16* p) {  // bf16 bits are the top half of an fp32
-  typedef uint16_t u16x16 __attribute__((vector_size(32)));
-  typedef uint32_t u32x16 __attribute__((vector_size(64)));
-  u16x16 h;
-  std::memcpy(&h, p, sizeof h);
-  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-  vec v;
-  std::memcpy(&v, &w, sizeof v);
-  return v;
-}
-
 inline float hsum(vec a) {  // halving tree, not a serial chain of 16 adds
 #if defined(__clang__) || __GNUC__ >= 12
   typedef float v8 __attribute__((vector_size(32)));
@@ -88,9 +58,9 @@ inline float exp_nonpositive(float x) {
 template <int NV>
 inline void accumulate_rows(float* acc, float alpha, const float* p, const float* v, const int64_t* rows, int64_t n) {
   vec a[NV];
-  for (int i = 0; i < NV; ++i) a[i] = load(acc + W * i) * alpha;
+  for (int i = 0; i < NV; ++i) a[i] = load_vec(acc + W * i) * alpha;
   for (int64_t t = 0; t < n; ++t)
-    for (int i = 0; i < NV; ++i) a[i] += p[t] * load(v + rows[t] + W * i);
+    for (int i = 0; i < NV; ++i) a[i] += p[t] * load_vec(v + rows[t] + W * i);
   for (int i = 0; i < NV; ++i) std::memcpy(acc + W * i, &a[i], sizeof(vec));
 }
 
@@ -163,7 +133,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
                 const T* k = kp + rows[t] + kv;
                 const T* v = vp + rows[t] + kv;
                 for (int64_t d = 0; d < DV; d += W) {
-                  const vec kd = load(k + d), vd = load(v + d);
+                  const vec kd = load_vec(k + d), vd = load_vec(v + d);
                   std::memcpy(&k_stage[t * D + d], &kd, sizeof(vec));
                   std::memcpy(&v_stage[t * D + d], &vd, sizeof(vec));
                 }
@@ -183,7 +153,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
           for (int64_t t = 0; t < n; ++t) {
             const float* k = kf + off[t];
             vec a = {};
-            for (int64_t d = 0; d < DV; d += W) a += load(qi + d) * load(k + d);
+            for (int64_t d = 0; d < DV; d += W) a += load_vec(qi + d) * load_vec(k + d);
             float dot = hsum(a);
             for (int64_t d = DV; d < D; ++d) dot += qi[d] * k[d];
             s[t] = dot;
@@ -249,9 +219,55 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   });
 }
 
+// Each new token's K and V rows into the cache at its slot (what two index_copy_ calls do, in one
+// call): key/value [T, Hkv, D] with a contiguous last dim (views of the QKV projection), caches
+// contiguous [num_blocks, block_size, Hkv, D] of the same dtype, slot_mapping [T] int64.
+void write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache, const at::Tensor& v_cache,
+              const at::Tensor& slot_mapping) {
+  for (const at::Tensor* t : {&key, &value, &k_cache, &v_cache, &slot_mapping})
+    TORCH_CHECK(t->device().is_cpu(), "write_kv: CPU tensors only");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(),
+              "write_kv: K and V caches must be contiguous [blocks, block_size, Hkv, D] of one shape");
+  const int64_t tokens = key.size(0), hkv = k_cache.size(2), d = k_cache.size(3);
+  TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key.size(1) == hkv && key.size(2) == d &&
+                  value.sizes() == key.sizes() && key.stride(2) == 1 && value.stride(2) == 1 &&
+                  key.stride(1) == d && value.stride(1) == d,
+              "write_kv: key and value must be [T, ", hkv, ", ", d, "] with contiguous heads, got ", key.sizes(),
+              " and ", value.sizes());
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == k_cache.scalar_type() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "write_kv: key, value and the caches must share a dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == tokens &&
+                  slot_mapping.is_contiguous(),
+              "write_kv: slot_mapping must be [T] int64");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t row_bytes = hkv * d * k_cache.element_size();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const char* kp = static_cast<const char*>(key.data_ptr());
+  const char* vp = static_cast<const char*>(value.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t ks = key.stride(0) * key.element_size(), vs = value.stride(0) * value.element_size();
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t slot = slots[t];
+    TORCH_CHECK(slot >= 0 && slot < num_slots, "write_kv: slot ", slot, " of token ", t, " is outside the cache (",
+                num_slots, " slots)");
+    std::memcpy(kc + slot * row_bytes, kp + t * ks, row_bytes);
+    std::memcpy(vc + slot * row_bytes, vp + t * vs, row_bytes);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(paged_cpu, m) {
+  m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()",
+        &write_kv);
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
         "float scale, Tensor(a!) out) -> ()", &paged_decode);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {  // the same kernels, called from eager code without the dispatcher
+  m.def("paged_decode", &paged_decode);
+  m.def("write_kv", &write_kv);
 }

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from paged.core.errors import ModelLoadError
+from paged.models import cpu_layer_ops
 
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -114,6 +115,9 @@ class RotaryEmbedding(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = cos_sin if cos_sin is not None else self.lookup(positions, query.dtype)
+        ops = cpu_layer_ops.enabled(query)
+        if ops is not None and cos.dtype == query.dtype == key.dtype:  # one fused op instead of twelve
+            return ops.rotary(query, key, cos, sin)
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 
     def extra_repr(self) -> str:

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from paged.core.hookspecs import hookimpl
 from paged.core.quantization import BlockScales, QuantizationMethodSpec
+from paged.plugins import int4_kernel
 
 _PACK_ROWS = 64  # rows per block of the CPU int4 packed layout
 
@@ -41,6 +42,11 @@ class WeightOnlyOptions(BaseModel):
 
 class Int4Options(WeightOnlyOptions):
     group_size: int = Field(32, description="input features per scale/zero group (32, 64, 128 or 256)")
+    avx512_kernel: bool = Field(
+        True,
+        description="bfloat16 on a CPU with AVX-512 BF16: paged's own int4 kernel (paged.plugins.int4_kernel); "
+        "false = torch's (_weight_int4pack_mm_for_cpu)",
+    )
 
     @field_validator("group_size")
     @classmethod
@@ -99,7 +105,7 @@ class Int8Weight(_DenseFallback):
         self._init_dense(options, weight.dtype)
 
     def _quantized_linear(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight, self.scale)
+        return torch._weight_int8pack_mm(x.contiguous(), self.qweight, self.scale)
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         return self.qweight[ids].to(self.dtype) * self.scale[ids].unsqueeze(-1)
@@ -125,47 +131,79 @@ def int4_group_codes(weight: torch.Tensor, group_size: int) -> tuple[torch.Tenso
 
 class Int4Weight(_DenseFallback):
     """``W[n, k] = (code - 8) * s[g, n] + z[g, n]`` with ``g = k // group_size``; from block
-    scales ``scale * code + offset``: ``s = scale``, ``z = offset + 8 * scale``."""
+    scales ``scale * code + offset``: ``s = scale``, ``z = offset + 8 * scale`` (both rounded to
+    the model's dtype). Two layouts: ``paged.plugins.int4_kernel``'s (bfloat16 on CPUs with
+    AVX-512 BF16: ``packed``, ``scales``, ``zeros``) or torch's (``packed``, ``scales_and_zeros``)."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int,
-                 dtype: torch.dtype, options: WeightOnlyOptions) -> None:
+                 dtype: torch.dtype, options: Int4Options) -> None:
         self.shape = tuple(codes.shape)
         self.dtype = dtype
         self.group_size = group_size
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
-        zero = offset.float() + 8.0 * scale.float()
-        self.scales_and_zeros = torch.stack([scale.float().t(), zero.t()], dim=-1).to(dtype).contiguous()
+        s = scale.float().to(dtype)
+        z = (offset.float() + 8.0 * scale.float()).to(dtype)
+        use_kernel = options.avx512_kernel and int4_kernel.supports(self.shape, group_size, dtype)
+        self.kernel = int4_kernel.load() if use_kernel else None
+        self.scales_and_zeros: torch.Tensor | None = None
+        if self.kernel is not None:
+            self.packed = int4_kernel.pack(codes)
+            self.scales, self.zeros = int4_kernel.expand_groups(s, z, group_size)
+        else:
+            self.packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+            self.scales_and_zeros = torch.stack([s.t(), z.t()], dim=-1).contiguous()
         # the dense copy from the codes at hand: what dequantize() computes, without reading the
         # codes back out of the packed layout (a second or so of every start-up)
-        self._init_dense(options, dtype, lambda: self._dequantize_codes(codes))
+        self._init_dense(options, dtype, lambda: self._dequantize_codes(codes, s, z))
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if bias is None and x.shape[0] <= self.max_rows and x.dtype == self.dtype:  # the decode path, direct
+            if self.kernel is not None and not torch.compiler.is_compiling():
+                return self.kernel(x, self.packed, self.scales, self.zeros)
+            return self._quantized_linear(x)
+        return super().linear(x, bias)
 
     def _quantized_linear(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group_size, self.scales_and_zeros)
+        if self.kernel is not None:
+            gemm = int4_kernel.int4_gemm if torch.compiler.is_compiling() else self.kernel
+            return gemm(x.to(self.dtype), self.packed, self.scales, self.zeros).to(x.dtype)
+        return torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group_size, self.scales_and_zeros)
 
     def codes(self, ids: torch.Tensor) -> torch.Tensor:
         """The int4 codes of rows ``ids`` (int32 ``[T, K]``), read back from the packed layout."""
+        if self.kernel is not None:
+            return int4_kernel.unpack(self.packed[ids])
         blocks = self.packed.view(self.shape[0] // _PACK_ROWS, self.shape[1], _PACK_ROWS // 2)
         j = ids % _PACK_ROWS
         raw = blocks[ids // _PACK_ROWS, :, j % (_PACK_ROWS // 2)]  # [T, K]
         return torch.where((j >= _PACK_ROWS // 2).unsqueeze(-1), raw >> 4, raw & 15).to(torch.int32)
 
+    def scale_zero(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(s, z)`` of rows ``ids``, ``[T, K/group_size]`` each, in the model's dtype."""
+        if self.kernel is not None:
+            step = self.group_size // int4_kernel.SUB
+            return self.scales[ids, ::step].to(self.dtype), self.zeros[ids, ::step].to(self.dtype)
+        sz = self.scales_and_zeros[:, ids]
+        return sz[..., 0].t(), sz[..., 1].t()
+
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
-        return self._dequantize_codes(self.codes(ids), self.scales_and_zeros[:, ids])
+        return self._dequantize_codes(self.codes(ids), *self.scale_zero(ids))
 
     def dequantize(self) -> torch.Tensor:
         return self.embedding(torch.arange(self.shape[0]))
 
-    def _dequantize_codes(self, codes: torch.Tensor, sz: torch.Tensor | None = None) -> torch.Tensor:
+    def _dequantize_codes(self, codes: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """Rows ``(code - 8) * s + z`` from unpacked ``codes [T, K]`` and their scales and zeros
-        ``sz [K/G, T, 2]`` (default: all rows), in the activation dtype as the kernel computes."""
-        sz = self.scales_and_zeros if sz is None else sz
+        ``s, z [T, K/G]``, in the activation dtype as the kernels compute."""
         t, k = codes.shape
-        s, z = sz[..., 0].t().unsqueeze(-1), sz[..., 1].t().unsqueeze(-1)  # [T, K/G, 1]
         q = (codes.to(torch.int32) - 8).to(self.dtype).view(t, k // self.group_size, self.group_size)
-        return (q * s + z).view(t, k)
+        return (q * s.unsqueeze(-1) + z.unsqueeze(-1)).view(t, k)
 
     def nbytes(self) -> int:
-        return self.packed.numel() + self.scales_and_zeros.numel() * self.dtype.itemsize + self._dense_bytes()
+        if self.kernel is not None:
+            scales = (self.scales.numel() + self.zeros.numel()) * 2
+        else:
+            scales = self.scales_and_zeros.numel() * self.dtype.itemsize
+        return self.packed.numel() + scales + self._dense_bytes()
 
 
 def quantize_int8(weight: torch.Tensor, scales: BlockScales | None, options: WeightOnlyOptions | None) -> Int8Weight:

@@ -181,6 +181,7 @@ def test_cpu_kernel_build_is_announced_and_timed(tmp_path, monkeypatch, caplog):
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built there yet
     monkeypatch.setattr(cpp_extension, "load_inline", fake_build)
+    monkeypatch.setattr(cpu_paged_decode, "_loaded", {})  # the fake build's (missing) module stays here
     with caplog.at_level(logging.INFO):
         assert cpu_paged_decode.load.__wrapped__() is torch.ops.paged_cpu.paged_decode
     before = events[0][1]

@@ -1,0 +1,262 @@
+"""The C++ CPU kernels built by ``paged.core.native``: fused layer ops (``paged.models.cpu_layer_ops``),
+the KV write (``paged.backends.cpu_paged_decode``) and the int4 GEMM (``paged.plugins.int4_kernel``),
+each against an independent reference: the eager chain of torch ops it replaces, ``index_copy_``,
+and a float32 matmul with the weight dequantized by hand."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from paged.backends import cpu_paged_decode
+from paged.core import native
+from paged.models import cpu_layer_ops
+from paged.models.layers import GatedMLP, RMSNorm
+from paged.models.rotary import RotaryEmbedding
+from paged.plugins import int4_kernel
+from paged.plugins.quantization import Int4Options, Int4Weight, int4_group_codes
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    module = cpu_layer_ops.load()
+    assert module is not None, "the CPU layer kernels did not build (a C++ compiler and ninja are dependencies)"
+    return module
+
+
+def _eager_norm(x, residual, weight, eps):
+    """paged.models.layers.RMSNorm's torch ops, written out."""
+    if residual is not None:
+        x = x + residual
+    x32 = x.float()
+    normed = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return normed, x
+
+
+def _eager_rotary(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 5, 37])  # 37 > the kernels' 16-row grain: two threads
+def test_layer_ops_return_the_eager_values(ops, dtype, tokens):
+    torch.manual_seed(tokens)
+    hidden, heads, kv_heads, head_dim, inter = 200, 5, 1, 64, 328  # sizes off the 16-lane vectors
+    weight = torch.randn(hidden).to(dtype)
+    x = (torch.randn(tokens, hidden) * 3).to(dtype)
+    residual = torch.randn(tokens, hidden).to(dtype)
+    def check(got, want):
+        """The eager values; the norm's fp32 sum of squares is taken in another order, so a value
+        on a rounding boundary of a 16-bit dtype may move by one unit (rarely)."""
+        assert got.dtype == want.dtype and got.shape == want.shape
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+        else:
+            assert (got != want).float().mean() < 0.005
+            torch.testing.assert_close(got, want, rtol=2**-7 if dtype == torch.bfloat16 else 2**-10, atol=0)
+
+    check(ops.rms_norm(x, weight, 1e-5), _eager_norm(x, None, weight, 1e-5)[0])
+    got, summed = ops.add_rms_norm(x, residual, weight, 1e-5)
+    want, want_sum = _eager_norm(x, residual, weight, 1e-5)
+    check(got, want)
+    assert torch.equal(summed, want_sum)
+    # a Qwen3-style per-head norm: [T, heads, head_dim]
+    per_head = torch.randn(tokens, heads, head_dim).to(dtype)
+    head_weight = torch.randn(head_dim).to(dtype)
+    check(ops.rms_norm(per_head, head_weight, 1e-6), _eager_norm(per_head, None, head_weight, 1e-6)[0])
+
+    # rotary on strided views of a fused QKV projection, as the Attention layer passes them
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0)
+    cos, sin = rope.lookup(torch.randint(0, 4096, (tokens,)), dtype)
+    got_q, got_k = ops.rotary(q, k, cos, sin)
+    assert torch.equal(got_q, _eager_rotary(q, cos, sin)) and torch.equal(got_k, _eager_rotary(k, cos, sin))
+
+    gate_up = (torch.randn(tokens, 2 * inter) * 4).to(dtype)
+    gate, up = gate_up.split(inter, dim=-1)
+    want = F.silu(gate) * up
+    got = ops.silu_and_mul(gate_up)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    else:  # exp within 2 ulp of fp32: a rounding boundary may move one value by one unit
+        assert (got != want).float().mean() < 0.01
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=0)
+
+
+def test_silu_and_mul_edge_values(ops):
+    gate = torch.tensor([-1e4, -100.0, -88.0, -1e-30, 0.0, 1e-30, 3.0, 88.0, 100.0, 1e4,
+                         float("inf"), float("-inf"), float("nan"), -3.0, 0.5, 20.0])
+    up = torch.linspace(-2, 2, 16)
+    for dtype in DTYPES:
+        x = torch.cat([gate, up]).to(dtype).unsqueeze(0)
+        want = F.silu(x[:, :16]) * x[:, 16:]
+        got = ops.silu_and_mul(x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-30, equal_nan=True)
+
+
+def test_layer_ops_name_the_bad_argument(ops):
+    with pytest.raises(RuntimeError, match=r"rms_norm: weight must be \[8\]"):
+        ops.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-5)
+    with pytest.raises(RuntimeError, match="add_rms_norm: residual must match x"):
+        ops.add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), torch.randn(8), 1e-5)
+    with pytest.raises(RuntimeError, match="silu_and_mul: x must be float32, bfloat16 or float16"):
+        ops.silu_and_mul(torch.zeros(2, 8, dtype=torch.int32))
+
+
+def test_layers_take_the_fused_path_and_the_torch_path_alike(ops, monkeypatch):
+    """The modules with the kernels and without them (a machine where the build failed)."""
+    torch.manual_seed(0)
+    dtype = torch.bfloat16
+    norm = RMSNorm(64, 1e-5, dtype=dtype, device="cpu")
+    norm.weight.data.normal_()
+    mlp = GatedMLP(64, 96, dtype=dtype, device="cpu")
+    for p in mlp.parameters():
+        p.data.normal_(std=0.1)
+    rope = RotaryEmbedding(32, 512, 10000.0)
+    x, residual = torch.randn(3, 64).to(dtype), torch.randn(3, 64).to(dtype)
+    q, k = torch.randn(3, 2, 32).to(dtype), torch.randn(3, 1, 32).to(dtype)
+    positions = torch.tensor([0, 7, 300])
+
+    def run():
+        return [norm(x), *norm(x, residual), mlp(x), *rope(positions, q, k)]
+
+    fused = run()
+    calls = []
+    monkeypatch.setattr(cpu_layer_ops, "load", lambda: calls.append(1))  # returns None: the torch ops
+    plain = run()
+    assert len(calls) == 4  # every module asked, and fell back
+    for a, b in zip(fused, plain):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_a_failed_build_warns_once_and_the_layers_keep_their_torch_ops(monkeypatch, caplog):
+    def fail(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(native, "build_and_load", fail)
+    cpu_layer_ops.load.cache_clear()
+    try:
+        norm = RMSNorm(16, 1e-5, dtype=torch.float32, device="cpu")
+        norm.weight.data.fill_(2.0)
+        x = torch.randn(2, 16)
+        with caplog.at_level(logging.WARNING, logger="paged.models.cpu_layer_ops"):
+            for _ in range(3):
+                torch.testing.assert_close(norm(x), _eager_norm(x, None, norm.weight, 1e-5)[0])
+        assert [r.getMessage() for r in caplog.records] == [
+            "CPU layer kernels unavailable, the layers run their torch ops instead: no compiler here"
+        ]
+    finally:
+        cpu_layer_ops.load.cache_clear()
+
+
+def test_layer_ops_are_not_used_on_request(monkeypatch):
+    monkeypatch.setenv("PAGED_CPU_LAYER_OPS", "0")
+    cpu_layer_ops.load.cache_clear()
+    try:
+        assert cpu_layer_ops.load() is None and cpu_layer_ops.enabled(torch.zeros(1)) is None
+    finally:
+        cpu_layer_ops.load.cache_clear()
+
+
+# ---- KV write ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_matches_index_copy(dtype):
+    kernels = cpu_paged_decode.kernels()
+    assert kernels is not None
+    torch.manual_seed(1)
+    blocks, block_size, kv_heads, head_dim, tokens = 6, 4, 2, 16, 7
+    k_cache = torch.randn(blocks, block_size, kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(blocks, block_size, kv_heads, head_dim).to(dtype)
+    qkv = torch.randn(tokens, 3 * kv_heads * head_dim).to(dtype)  # strided views, as the layer passes them
+    key = qkv[:, kv_heads * head_dim : 2 * kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    value = qkv[:, 2 * kv_heads * head_dim :].view(tokens, kv_heads, head_dim)
+    slots = torch.tensor([23, 0, 5, 6, 17, 12, 3])
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want_k.view(-1, kv_heads, head_dim).index_copy_(0, slots, key)
+    want_v.view(-1, kv_heads, head_dim).index_copy_(0, slots, value)
+    kernels.write_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    with pytest.raises(RuntimeError, match=r"write_kv: slot 24 of token 1 is outside the cache \(24 slots\)"):
+        kernels.write_kv(key[:2], value[:2], k_cache, v_cache, torch.tensor([1, 24]))
+
+
+# ---- int4 GEMM -------------------------------------------------------------------------------
+
+
+needs_int4_kernel = pytest.mark.skipif(
+    int4_kernel.load() is None, reason="this CPU has no AVX-512 BF16: int4 keeps torch's kernel (tested elsewhere)"
+)
+
+
+def _by_hand(codes, scale, zero, group_size):
+    """``(code - 8) * scale + zero`` per group, float32, from bfloat16 scales and zeros."""
+    n, k = codes.shape
+    q = (codes.float() - 8).view(n, k // group_size, group_size)
+    return (q * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)).view(n, k)
+
+
+@needs_int4_kernel
+@pytest.mark.parametrize("n,k,group_size", [(576, 576, 32), (13, 64, 32), (96, 1088, 64), (64, 256, 128)])
+def test_int4_gemm_matches_a_float32_matmul_of_the_weight_dequantized_by_hand(n, k, group_size):
+    gemm = int4_kernel.load()
+    torch.manual_seed(n + k)
+    codes = torch.randint(0, 16, (n, k), dtype=torch.int32)
+    scale = (torch.rand(n, k // group_size) * 0.02 + 1e-3).to(torch.bfloat16)
+    zero = (torch.randn(n, k // group_size) * 0.05).to(torch.bfloat16)
+    packed = int4_kernel.pack(codes)
+    assert packed.shape == (n, k // 2) and torch.equal(int4_kernel.unpack(packed), codes)
+    scales, zeros = int4_kernel.expand_groups(scale, zero, group_size)
+    weight = _by_hand(codes, scale, zero, group_size)
+    for rows in (1, 2, 3, 4, 5, 9):  # 1-4 in one pass, more in passes of four
+        x = torch.randn(rows, k).to(torch.bfloat16)
+        want = x.float() @ weight.t()
+        got = gemm(x, packed, scales, zeros)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        # fp32 accumulation, one rounding to bfloat16 at the end
+        assert ((got.float() - want).abs() <= want.abs() * 2**-8 + 1e-3 * want.abs().max()).all()
+    with pytest.raises(RuntimeError, match=r"int4_gemm: K \(96\) must be a multiple of 64"):
+        gemm(torch.zeros(1, 96, dtype=torch.bfloat16), packed, scales, zeros)
+
+
+@needs_int4_kernel
+def test_int4_weight_in_the_kernel_layout_holds_the_same_weight_as_in_torchs():
+    torch.manual_seed(3)
+    weight = (torch.randn(128, 192) * 0.05).to(torch.bfloat16)
+    codes, scale, offset = int4_group_codes(weight, 32)
+    ours = Int4Weight(codes, scale, offset, 32, torch.bfloat16, Int4Options(dense_copy=False))
+    torchs = Int4Weight(codes, scale, offset, 32, torch.bfloat16, Int4Options(dense_copy=False, avx512_kernel=False))
+    assert ours.kernel is not None and torchs.kernel is None
+    ids = torch.tensor([0, 63, 64, 127, 5])
+    assert torch.equal(ours.codes(ids), codes[ids]) and torch.equal(torchs.codes(ids), codes[ids])
+    assert torch.equal(ours.dequantize(), torchs.dequantize())
+    assert torch.equal(ours.embedding(ids), torchs.embedding(ids))
+    x = torch.randn(2, 192).to(torch.bfloat16)
+    want = x.float() @ ours.dequantize().float().t()
+    for w in (ours, torchs):
+        out = w.linear(x, None)
+        assert (out.float() - want).abs().max() <= 2**-7 * want.abs().max()
+    bias = torch.randn(128).to(torch.bfloat16)
+    assert torch.allclose(ours.linear(x, bias).float(), want + bias.float(), rtol=2**-7, atol=2**-7 * want.abs().max())
+
+
+@needs_int4_kernel
+def test_int4_gemm_traces_under_torch_compile():
+    """Compiled steps see the kernel as an opaque op with a fake implementation."""
+    torch.manual_seed(4)
+    codes = torch.randint(0, 16, (64, 128), dtype=torch.int32)
+    scale = (torch.rand(64, 4) * 0.02).to(torch.bfloat16)
+    zero = (torch.randn(64, 4) * 0.05).to(torch.bfloat16)
+    w = Int4Weight(codes, scale, scale * 0 + zero, 32, torch.bfloat16, Int4Options(dense_copy=False))
+    x = torch.randn(1, 128).to(torch.bfloat16)
+    compiled = torch.compile(lambda t: w.linear(t, None) * 2, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), w.linear(x, None) * 2, rtol=0, atol=0)
