@@ -1,11 +1,11 @@
 """paged's int4 kernel (``paged.plugins.int4_kernel``) against torch's
 (``aten._weight_int4pack_mm_for_cpu``) on the default model's projection shapes, side by side.
 
-Each kernel multiplies a bfloat16 activation of M rows by the 30 layers' worth of one projection
-(30 different weights of the same random codes' shape, so nothing stays in cache between two
-calls of a layer: as in a decode step), alternating the two kernels round by round; also the
-same weight over and over (in cache: the kernels' arithmetic alone). Prints microseconds per
-call and the GB/s of weight bytes read (codes + scales and zeros), and the ratio torch / paged.
+1. A decode step's weights: 30 layers x (qkv, o, gate_up, down), random codes, called in the
+   model's order, so each weight comes from memory as in a step (66 MB, twice the L3 here);
+   the two kernels alternate, one whole pass each per round. Prints ms per pass, the GB/s of
+   weight bytes read (codes + bf16 scales and zeros) and the ratio torch / paged.
+2. In cache: one weight of each shape over and over (the kernels' arithmetic alone).
 
     python benchmarks/int4_gemm.py
     python benchmarks/int4_gemm.py --rows 1,2,4 --rounds 20
@@ -35,46 +35,59 @@ def main(argv: list[str] | None = None) -> None:
     if gemm is None:
         raise SystemExit("paged's int4 kernel is not available here (no AVX-512 BF16, or no compiler)")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {args.rounds} alternated rounds")
-    print(f"{'projection':<13} {'N x K':>11} {'M':>2} | {'paged us':>8} {'GB/s':>5} | {'torch us':>8} {'GB/s':>5} | "
-          f"{'torch/paged':>11} | in cache: paged us, torch us")
     gen = torch.Generator().manual_seed(0)
-    for name, (n, k) in SHAPES.items():
-        ours, theirs = [], []
-        for _ in range(args.layers):
+    ours: dict[str, list] = {name: [] for name in SHAPES}
+    theirs: dict[str, list] = {name: [] for name in SHAPES}
+    for _ in range(args.layers):
+        for name, (n, k) in SHAPES.items():
             codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen)
             scale = (torch.rand(n, k // 32, generator=gen) * 0.02).to(torch.bfloat16)
             zero = (torch.randn(n, k // 32, generator=gen) * 0.05).to(torch.bfloat16)
-            ours.append((int4_kernel.pack(codes), *int4_kernel.expand_groups(scale, zero, 32)))
-            theirs.append((torch._convert_weight_to_int4pack_for_cpu(codes, 1),
-                           torch.stack([scale.t(), zero.t()], dim=-1).contiguous()))
-        weight_bytes = n * k // 2 + 2 * (n * k // 32) * 2
+            ours[name].append(int4_kernel.pack(codes, scale, zero, 32))
+            theirs[name].append((torch._convert_weight_to_int4pack_for_cpu(codes, 1),
+                                 torch.stack([scale.t(), zero.t()], dim=-1).contiguous()))
+    step_bytes = args.layers * sum(n * k // 2 + 2 * (n * k // 32) * 2 for n, k in SHAPES.values())
+
+    def paged(x, packed):
+        return gemm(x, packed)
+
+    def aten(x, weight):
+        packed, sz = weight
+        return torch._weight_int4pack_mm_for_cpu(x, packed, 32, sz)
+
+    def timed(fn, xs, weights, calls_per_layer=1):
+        """ms for one pass: layer by layer, each projection once (or one weight ``calls`` times)."""
+        start = time.perf_counter()
+        for layer in range(len(weights[next(iter(weights))])):
+            for name in weights:
+                fn(xs[name], weights[name][layer])
+        return (time.perf_counter() - start) * 1e3
+
+    print(f"\n1. a decode step's int4 weights ({args.layers} layers x 4 projections, "
+          f"{step_bytes / 1e6:.0f} MB), ms per pass")
+    print(f"{'M':>2} | {'paged ms':>8} {'GB/s':>5} | {'torch ms':>8} {'GB/s':>5} | torch/paged")
+    for m in args.rows:
+        xs = {name: torch.randn(m, k, generator=gen).to(torch.bfloat16) for name, (_, k) in SHAPES.items()}
+        timed(paged, xs, ours), timed(aten, xs, theirs)  # warm-up
+        a, b = [], []
+        for _ in range(args.rounds):
+            a.append(timed(paged, xs, ours))
+            b.append(timed(aten, xs, theirs))
+        a_ms, b_ms = float(np.median(a)), float(np.median(b))
+        ratio = float(np.median(np.array(b) / np.array(a)))
+        print(f"{m:>2} | {a_ms:8.2f} {step_bytes / a_ms / 1e6:5.1f} | {b_ms:8.2f} {step_bytes / b_ms / 1e6:5.1f} | {ratio:.2f}")
+
+    print("\n2. in cache: one weight per shape, 30 calls, us per call")
+    print(f"{'projection':<13} {'N x K':>11} {'M':>2} | {'paged us':>8} | {'torch us':>8} | torch/paged")
+    for name, (n, k) in SHAPES.items():
         for m in args.rows:
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
-
-            def run_ours(weights=ours):
-                for packed, scales, zeros in weights:
-                    gemm(x, packed, scales, zeros)
-
-            def run_theirs(weights=theirs):
-                for packed, sz in weights:
-                    torch._weight_int4pack_mm_for_cpu(x, packed, 32, sz)
-
-            def per_call(fn, calls):
-                fn()
-                start = time.perf_counter()
-                fn()
-                return (time.perf_counter() - start) / calls * 1e6
-
-            a, b = [], []
-            for _ in range(args.rounds):
-                a.append(per_call(run_ours, len(ours)))
-                b.append(per_call(run_theirs, len(theirs)))
-            a_us, b_us = float(np.median(a)), float(np.median(b))
-            ratio = float(np.median(np.array(b) / np.array(a)))
-            hot_a = float(np.median([per_call(lambda: [run_ours(ours[:1]) for _ in range(30)], 30) for _ in range(5)]))
-            hot_b = float(np.median([per_call(lambda: [run_theirs(theirs[:1]) for _ in range(30)], 30) for _ in range(5)]))
-            print(f"{name:<13} {n:>5}x{k:<5} {m:>2} | {a_us:8.1f} {weight_bytes / a_us / 1e3:5.1f} | "
-                  f"{b_us:8.1f} {weight_bytes / b_us / 1e3:5.1f} | {ratio:11.2f} | {hot_a:.1f}, {hot_b:.1f}")
+            hot_ours = {name: [ours[name][0]] * 30}
+            hot_theirs = {name: [theirs[name][0]] * 30}
+            a = [timed(paged, {name: x}, hot_ours) / 30 * 1e3 for _ in range(args.rounds)]
+            b = [timed(aten, {name: x}, hot_theirs) / 30 * 1e3 for _ in range(args.rounds)]
+            print(f"{name:<13} {n:>5}x{k:<5} {m:>2} | {np.median(a):8.1f} | {np.median(b):8.1f} | "
+                  f"{np.median(np.array(b) / np.array(a)):.2f}")
 
 
 if __name__ == "__main__":

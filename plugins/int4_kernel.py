@@ -2,17 +2,19 @@
 first use), used by the bundled ``int4`` method (``paged.plugins.quantization``).
 
 Why: ``aten._weight_int4pack_mm_for_cpu`` widens every code to fp32 and multiplies-adds per
-weight; on this 2-core AVX-512 machine it is bound by that arithmetic when the weights are in
-cache and reads them from memory at ~30 GB/s. Here a code becomes a bf16 number in one or two
-integer instructions and ``vdpbf16ps`` multiplies-adds 32 weights per instruction: 1.3x faster
-in cache, ~1.1x streaming the default model's weights from memory, a 1.06-1.10x shorter batch-1
-decode step (``python benchmarks/int4_gemm.py``; same-run A/B in the README).
+weight, and streams a decode step's weights from memory at ~25 GB/s on this 2-core machine (half
+its copy bandwidth). Here a code becomes a bf16 number in one or two integer instructions,
+``vdpbf16ps`` multiplies-adds 32 weights per instruction, and each thread prefetches 8 KB ahead
+in its run of rows (a call is too short for the hardware prefetchers to ramp up): the step's
+weights stream at ~44 GB/s, 1.5x torch's kernel, and 1.3-1.7x in cache
+(``python benchmarks/int4_gemm.py``).
 
 Layout, row-major (a row's bytes are contiguous, so each thread streams one run of memory)::
 
-    packed [N, K/2] uint8: per 64 inputs of a row, 32 bytes; byte j holds the code of input
-                           j (low nibble) and of input 32 + j (high nibble)
-    scales, zeros [N, K/32] bfloat16: per 32 inputs of a row
+    packed [N, K/2 + 4*K/32] uint8, per row: per 64 inputs 32 bytes, byte j holding the code
+        of input j (low nibble) and of input 32 + j (high nibble); then the row's K/32 scales
+        and its K/32 zeros, bfloat16 (in the row: in arrays of their own, scales and zeros made
+        a decode step's weights ~15% slower to stream)
 
 with ``W[n, k] = (code - 8) * scale + zero`` (the int4 method's formula; a group of more than
 32 inputs repeats its scale and zero). Arithmetic: ``bits(bf16 128.0) | code`` is the bf16
@@ -24,7 +26,7 @@ rounding of the result). Four output rows are computed together (independent FMA
 chunk's two scales come in one broadcast load) with a software prefetch a few rows ahead; rows
 of ``x`` are taken four at a time (more rows: further passes, the weights then come from L2).
 
-``load()`` returns the kernel ``(x [M, K] bf16, packed, scales, zeros) -> [M, N] bf16`` or
+``load()`` returns the kernel ``(x [M, K] bf16, packed) -> [M, N] bf16`` or
 ``None`` (after one warning) where it cannot be built, or the CPU lacks AVX-512 BF16 (then the
 int4 method keeps torch's kernel and layout). Under ``torch.compile`` it is the opaque op
 ``torch.ops.paged_int4.int4_gemm`` (``int4_gemm``; a fake implementation gives its shape).
@@ -64,15 +66,15 @@ def load() -> Any | None:
         return None
 
     @torch.library.register_fake("paged_int4::int4_gemm")
-    def _fake(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    def _fake(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         return x.new_empty(x.shape[0], packed.shape[0])
 
     return module.int4_gemm
 
 
-def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+def int4_gemm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """The kernel as the torch op (what ``torch.compile`` traces; eager callers use ``load()``'s)."""
-    return torch.ops.paged_int4.int4_gemm(x, packed, scales, zeros)
+    return torch.ops.paged_int4.int4_gemm(x, packed)
 
 
 def supports(shape: tuple[int, int], group_size: int, dtype: torch.dtype) -> bool:
@@ -80,23 +82,30 @@ def supports(shape: tuple[int, int], group_size: int, dtype: torch.dtype) -> boo
     return dtype == torch.bfloat16 and shape[1] % CHUNK == 0 and group_size % SUB == 0
 
 
-def pack(codes: torch.Tensor) -> torch.Tensor:
-    """``codes`` int ``[N, K]`` in 0..15 -> ``packed [N, K/2]`` uint8 (the layout above)."""
+def row_bytes(k: int) -> int:
+    """Bytes of one packed row of ``k`` inputs: the codes, then the scales, then the zeros."""
+    return k // 2 + 4 * (k // SUB)
+
+
+def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``codes`` int ``[N, K]`` in 0..15 and per-row ``scale``, ``zero`` ``[N, K/group_size]``
+    (bfloat16 values) -> ``packed [N, row_bytes(K)]`` uint8 (the layout above)."""
     n, k = codes.shape
     halves = codes.to(torch.uint8).view(n, k // CHUNK, 2, CHUNK // 2)
-    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-
-
-def unpack(packed: torch.Tensor) -> torch.Tensor:
-    """``packed [T, K/2]`` -> codes int32 ``[T, K]`` (the inverse of ``pack``)."""
-    t, half = packed.shape
-    chunks = packed.view(t, half // (CHUNK // 2), CHUNK // 2)
-    return torch.cat([chunks & 15, chunks >> 4], dim=-1).reshape(t, 2 * half).to(torch.int32)
-
-
-def expand_groups(scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row ``scale`` and ``zero`` ``[N, K/group_size]`` (bfloat16 values) -> the kernel's
-    ``scales`` and ``zeros``, ``[N, K/32]`` bfloat16."""
+    nibbles = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2)
     repeat = group_size // SUB
-    return (scale.repeat_interleave(repeat, 1).to(torch.bfloat16).contiguous(),
-            zero.repeat_interleave(repeat, 1).to(torch.bfloat16).contiguous())
+    meta = torch.cat([scale.repeat_interleave(repeat, 1), zero.repeat_interleave(repeat, 1)], dim=1)
+    return torch.cat([nibbles, meta.to(torch.bfloat16).contiguous().view(torch.uint8)], dim=1).contiguous()
+
+
+def unpack(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows of ``packed`` -> their codes, int32 ``[T, K]`` (the inverse of ``pack``)."""
+    t = packed.shape[0]
+    chunks = packed[:, : k // 2].reshape(t, k // CHUNK, CHUNK // 2)
+    return torch.cat([chunks & 15, chunks >> 4], dim=-1).reshape(t, k).to(torch.int32)
+
+
+def scales_and_zeros(packed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``packed`` -> their ``(scale, zero)``, bfloat16 ``[T, K/32]`` each."""
+    meta = packed[:, k // 2 :].contiguous().view(torch.bfloat16)
+    return meta[:, : k // SUB], meta[:, k // SUB :]

@@ -133,7 +133,8 @@ class Int4Weight(_DenseFallback):
     """``W[n, k] = (code - 8) * s[g, n] + z[g, n]`` with ``g = k // group_size``; from block
     scales ``scale * code + offset``: ``s = scale``, ``z = offset + 8 * scale`` (both rounded to
     the model's dtype). Two layouts: ``paged.plugins.int4_kernel``'s (bfloat16 on CPUs with
-    AVX-512 BF16: ``packed``, ``scales``, ``zeros``) or torch's (``packed``, ``scales_and_zeros``)."""
+    AVX-512 BF16: ``packed``, scales and zeros inside its rows) or torch's (``packed``,
+    ``scales_and_zeros``)."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int,
                  dtype: torch.dtype, options: Int4Options) -> None:
@@ -146,8 +147,7 @@ class Int4Weight(_DenseFallback):
         self.kernel = int4_kernel.load() if use_kernel else None
         self.scales_and_zeros: torch.Tensor | None = None
         if self.kernel is not None:
-            self.packed = int4_kernel.pack(codes)
-            self.scales, self.zeros = int4_kernel.expand_groups(s, z, group_size)
+            self.packed = int4_kernel.pack(codes, s, z, group_size)
         else:
             self.packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
             self.scales_and_zeros = torch.stack([s.t(), z.t()], dim=-1).contiguous()
@@ -158,20 +158,20 @@ class Int4Weight(_DenseFallback):
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if bias is None and x.shape[0] <= self.max_rows and x.dtype == self.dtype:  # the decode path, direct
             if self.kernel is not None and not torch.compiler.is_compiling():
-                return self.kernel(x, self.packed, self.scales, self.zeros)
+                return self.kernel(x, self.packed)
             return self._quantized_linear(x)
         return super().linear(x, bias)
 
     def _quantized_linear(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
             gemm = int4_kernel.int4_gemm if torch.compiler.is_compiling() else self.kernel
-            return gemm(x.to(self.dtype), self.packed, self.scales, self.zeros).to(x.dtype)
+            return gemm(x.to(self.dtype), self.packed).to(x.dtype)
         return torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group_size, self.scales_and_zeros)
 
     def codes(self, ids: torch.Tensor) -> torch.Tensor:
         """The int4 codes of rows ``ids`` (int32 ``[T, K]``), read back from the packed layout."""
         if self.kernel is not None:
-            return int4_kernel.unpack(self.packed[ids])
+            return int4_kernel.unpack(self.packed[ids], self.shape[1])
         blocks = self.packed.view(self.shape[0] // _PACK_ROWS, self.shape[1], _PACK_ROWS // 2)
         j = ids % _PACK_ROWS
         raw = blocks[ids // _PACK_ROWS, :, j % (_PACK_ROWS // 2)]  # [T, K]
@@ -181,7 +181,8 @@ class Int4Weight(_DenseFallback):
         """``(s, z)`` of rows ``ids``, ``[T, K/group_size]`` each, in the model's dtype."""
         if self.kernel is not None:
             step = self.group_size // int4_kernel.SUB
-            return self.scales[ids, ::step].to(self.dtype), self.zeros[ids, ::step].to(self.dtype)
+            s, z = int4_kernel.scales_and_zeros(self.packed[ids], self.shape[1])
+            return s[:, ::step], z[:, ::step]
         sz = self.scales_and_zeros[:, ids]
         return sz[..., 0].t(), sz[..., 1].t()
 
@@ -199,10 +200,7 @@ class Int4Weight(_DenseFallback):
         return (q * s.unsqueeze(-1) + z.unsqueeze(-1)).view(t, k)
 
     def nbytes(self) -> int:
-        if self.kernel is not None:
-            scales = (self.scales.numel() + self.zeros.numel()) * 2
-        else:
-            scales = self.scales_and_zeros.numel() * self.dtype.itemsize
+        scales = 0 if self.scales_and_zeros is None else self.scales_and_zeros.numel() * self.dtype.itemsize
         return self.packed.numel() + scales + self._dense_bytes()
 
 

@@ -213,19 +213,21 @@ def test_int4_gemm_matches_a_float32_matmul_of_the_weight_dequantized_by_hand(n,
     codes = torch.randint(0, 16, (n, k), dtype=torch.int32)
     scale = (torch.rand(n, k // group_size) * 0.02 + 1e-3).to(torch.bfloat16)
     zero = (torch.randn(n, k // group_size) * 0.05).to(torch.bfloat16)
-    packed = int4_kernel.pack(codes)
-    assert packed.shape == (n, k // 2) and torch.equal(int4_kernel.unpack(packed), codes)
-    scales, zeros = int4_kernel.expand_groups(scale, zero, group_size)
+    packed = int4_kernel.pack(codes, scale, zero, group_size)
+    assert packed.shape == (n, k // 2 + 4 * (k // 32)) and torch.equal(int4_kernel.unpack(packed, k), codes)
+    got_scale, got_zero = int4_kernel.scales_and_zeros(packed, k)
+    repeat = group_size // 32
+    assert torch.equal(got_scale[:, ::repeat], scale) and torch.equal(got_zero[:, ::repeat], zero)
     weight = _by_hand(codes, scale, zero, group_size)
     for rows in (1, 2, 3, 4, 5, 9):  # 1-4 in one pass, more in passes of four
         x = torch.randn(rows, k).to(torch.bfloat16)
         want = x.float() @ weight.t()
-        got = gemm(x, packed, scales, zeros)
+        got = gemm(x, packed)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
         # fp32 accumulation, one rounding to bfloat16 at the end
         assert ((got.float() - want).abs() <= want.abs() * 2**-8 + 1e-3 * want.abs().max()).all()
     with pytest.raises(RuntimeError, match=r"int4_gemm: K \(96\) must be a multiple of 64"):
-        gemm(torch.zeros(1, 96, dtype=torch.bfloat16), packed, scales, zeros)
+        gemm(torch.zeros(1, 96, dtype=torch.bfloat16), packed)
 
 
 @needs_int4_kernel
