@@ -2,7 +2,7 @@
 
 Used by ``paged.backends.cpu_paged_decode`` (paged-decode attention, KV write),
 ``paged.models.cpu_layer_ops`` (fused norm, rotary, SiLU-and-mul) and
-``paged.plugins.int4_kernel`` (int4 GEMM). ``build_and_load`` compiles a source with
+``paged.plugins.quant_kernels`` (int4 GEMM). ``build_and_load`` compiles a source with
 ``torch.utils.cpp_extension.load_inline`` into the torch extensions directory
 (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and imports it. A source
 exposes its kernels twice: as a Python module (``PYBIND11_MODULE``: what eager code calls, ~0.15

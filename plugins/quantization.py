@@ -1,5 +1,7 @@
 """Bundled weight-only quantization methods (CPU): ``int8`` per output channel and ``int4``
-in groups along the input features, on torch's own kernels
+in groups along the input features. Kernels: paged's own (``paged.plugins.quant_kernels``) for
+bfloat16 on CPUs with AVX-512 BF16, ~1.5x torch's where the weights stream from memory (a decode
+step); elsewhere, or with the option ``avx512_kernel=false``, torch's own
 (``aten._weight_int8pack_mm``, ``aten._weight_int4pack_mm_for_cpu``).
 
 Measured on the 2-core AMX machine (same-run A/B under load, the default model's shapes): the
@@ -9,7 +11,7 @@ step reads 2-4x fewer bytes), break even around 4 rows and are 4-16x slower from
 ``quantized_max_rows`` rows (``dense_copy``); without it the weights stay at their quantized
 size, the memory-lean choice.
 
-int4 layout (``_convert_weight_to_int4pack_for_cpu``, inner k tiles 1): ``[N, K/2]`` bytes; per
+torch's int4 layout (``_convert_weight_to_int4pack_for_cpu``, inner k tiles 1): ``[N, K/2]`` bytes; per
 block of 64 output rows, for each input feature ``k`` 32 bytes whose low nibble is row ``j``
 and high nibble row ``j + 32`` of the block. The kernel computes ``(code - 8) * scale + zero``
 with ``scales_and_zeros [K/G, N, 2]`` in the activation dtype.
@@ -22,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from paged.core.hookspecs import hookimpl
 from paged.core.quantization import BlockScales, QuantizationMethodSpec
-from paged.plugins import int4_kernel
+from paged.plugins import quant_kernels
 
 _PACK_ROWS = 64  # rows per block of the CPU int4 packed layout
 
@@ -38,15 +40,15 @@ class WeightOnlyOptions(BaseModel):
         description="keep a dense (oneDNN-packed) copy for larger batches: fastest at every batch size, "
         "costs the dense weights' memory; false = the quantized kernel always, least memory",
     )
+    avx512_kernel: bool = Field(
+        True,
+        description="bfloat16 on a CPU with AVX-512 BF16: paged's own kernels (paged.plugins.quant_kernels); "
+        "false = torch's (_weight_int4pack_mm_for_cpu, _weight_int8pack_mm)",
+    )
 
 
 class Int4Options(WeightOnlyOptions):
     group_size: int = Field(32, description="input features per scale/zero group (32, 64, 128 or 256)")
-    avx512_kernel: bool = Field(
-        True,
-        description="bfloat16 on a CPU with AVX-512 BF16: paged's own int4 kernel (paged.plugins.int4_kernel); "
-        "false = torch's (_weight_int4pack_mm_for_cpu)",
-    )
 
     @field_validator("group_size")
     @classmethod
@@ -102,9 +104,20 @@ class Int8Weight(_DenseFallback):
         scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
         self.qweight = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
         self.scale = scale.to(weight.dtype)
+        kernels = quant_kernels.load() if options.avx512_kernel else None
+        self.kernel = kernels.int8_gemm if kernels and quant_kernels.supports_int8(self.shape, self.dtype) else None
         self._init_dense(options, weight.dtype)
 
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if (bias is None and x.shape[0] <= self.max_rows and x.dtype == self.dtype and self.kernel is not None
+                and not torch.compiler.is_compiling()):  # the decode path, direct
+            return self.kernel(x, self.qweight, self.scale)
+        return super().linear(x, bias)
+
     def _quantized_linear(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            gemm = quant_kernels.int8_gemm if torch.compiler.is_compiling() else self.kernel
+            return gemm(x.to(self.dtype), self.qweight, self.scale).to(x.dtype)
         return torch._weight_int8pack_mm(x.contiguous(), self.qweight, self.scale)
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
@@ -132,7 +145,7 @@ def int4_group_codes(weight: torch.Tensor, group_size: int) -> tuple[torch.Tenso
 class Int4Weight(_DenseFallback):
     """``W[n, k] = (code - 8) * s[g, n] + z[g, n]`` with ``g = k // group_size``; from block
     scales ``scale * code + offset``: ``s = scale``, ``z = offset + 8 * scale`` (both rounded to
-    the model's dtype). Two layouts: ``paged.plugins.int4_kernel``'s (bfloat16 on CPUs with
+    the model's dtype). Two layouts: ``paged.plugins.quant_kernels``'s (bfloat16 on CPUs with
     AVX-512 BF16: ``packed``, scales and zeros inside its rows) or torch's (``packed``,
     ``scales_and_zeros``)."""
 
@@ -143,11 +156,11 @@ class Int4Weight(_DenseFallback):
         self.group_size = group_size
         s = scale.float().to(dtype)
         z = (offset.float() + 8.0 * scale.float()).to(dtype)
-        use_kernel = options.avx512_kernel and int4_kernel.supports(self.shape, group_size, dtype)
-        self.kernel = int4_kernel.load() if use_kernel else None
+        kernels = quant_kernels.load() if options.avx512_kernel else None
+        self.kernel = kernels.int4_gemm if kernels and quant_kernels.supports_int4(self.shape, group_size, dtype) else None
         self.scales_and_zeros: torch.Tensor | None = None
         if self.kernel is not None:
-            self.packed = int4_kernel.pack(codes, s, z, group_size)
+            self.packed = quant_kernels.pack(codes, s, z, group_size)
         else:
             self.packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
             self.scales_and_zeros = torch.stack([s.t(), z.t()], dim=-1).contiguous()
@@ -164,14 +177,14 @@ class Int4Weight(_DenseFallback):
 
     def _quantized_linear(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
-            gemm = int4_kernel.int4_gemm if torch.compiler.is_compiling() else self.kernel
+            gemm = quant_kernels.int4_gemm if torch.compiler.is_compiling() else self.kernel
             return gemm(x.to(self.dtype), self.packed).to(x.dtype)
         return torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group_size, self.scales_and_zeros)
 
     def codes(self, ids: torch.Tensor) -> torch.Tensor:
         """The int4 codes of rows ``ids`` (int32 ``[T, K]``), read back from the packed layout."""
         if self.kernel is not None:
-            return int4_kernel.unpack(self.packed[ids], self.shape[1])
+            return quant_kernels.unpack(self.packed[ids], self.shape[1])
         blocks = self.packed.view(self.shape[0] // _PACK_ROWS, self.shape[1], _PACK_ROWS // 2)
         j = ids % _PACK_ROWS
         raw = blocks[ids // _PACK_ROWS, :, j % (_PACK_ROWS // 2)]  # [T, K]
@@ -180,8 +193,8 @@ class Int4Weight(_DenseFallback):
     def scale_zero(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(s, z)`` of rows ``ids``, ``[T, K/group_size]`` each, in the model's dtype."""
         if self.kernel is not None:
-            step = self.group_size // int4_kernel.SUB
-            s, z = int4_kernel.scales_and_zeros(self.packed[ids], self.shape[1])
+            step = self.group_size // quant_kernels.SUB
+            s, z = quant_kernels.scales_and_zeros(self.packed[ids], self.shape[1])
             return s[:, ::step], z[:, ::step]
         sz = self.scales_and_zeros[:, ids]
         return sz[..., 0].t(), sz[..., 1].t()

@@ -1,5 +1,5 @@
 """The C++ CPU kernels built by ``paged.core.native``: fused layer ops (``paged.models.cpu_layer_ops``),
-the KV write (``paged.backends.cpu_paged_decode``) and the int4 GEMM (``paged.plugins.int4_kernel``),
+the KV write (``paged.backends.cpu_paged_decode``) and the int4 GEMM (``paged.plugins.quant_kernels``),
 each against an independent reference: the eager chain of torch ops it replaces, ``index_copy_``,
 and a float32 matmul with the weight dequantized by hand."""
 
@@ -16,8 +16,8 @@ from paged.core import native
 from paged.models import cpu_layer_ops
 from paged.models.layers import GatedMLP, RMSNorm
 from paged.models.rotary import RotaryEmbedding
-from paged.plugins import int4_kernel
-from paged.plugins.quantization import Int4Options, Int4Weight, int4_group_codes
+from paged.plugins import quant_kernels
+from paged.plugins.quantization import Int4Options, Int4Weight, Int8Weight, WeightOnlyOptions, int4_group_codes
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -194,7 +194,7 @@ def test_write_kv_matches_index_copy(dtype):
 
 
 needs_int4_kernel = pytest.mark.skipif(
-    int4_kernel.load() is None, reason="this CPU has no AVX-512 BF16: int4 keeps torch's kernel (tested elsewhere)"
+    quant_kernels.load() is None, reason="this CPU has no AVX-512 BF16: int4/int8 keep torch's kernels (tested elsewhere)"
 )
 
 
@@ -208,14 +208,14 @@ def _by_hand(codes, scale, zero, group_size):
 @needs_int4_kernel
 @pytest.mark.parametrize("n,k,group_size", [(576, 576, 32), (13, 64, 32), (96, 1088, 64), (64, 256, 128)])
 def test_int4_gemm_matches_a_float32_matmul_of_the_weight_dequantized_by_hand(n, k, group_size):
-    gemm = int4_kernel.load()
+    gemm = quant_kernels.load().int4_gemm
     torch.manual_seed(n + k)
     codes = torch.randint(0, 16, (n, k), dtype=torch.int32)
     scale = (torch.rand(n, k // group_size) * 0.02 + 1e-3).to(torch.bfloat16)
     zero = (torch.randn(n, k // group_size) * 0.05).to(torch.bfloat16)
-    packed = int4_kernel.pack(codes, scale, zero, group_size)
-    assert packed.shape == (n, k // 2 + 4 * (k // 32)) and torch.equal(int4_kernel.unpack(packed, k), codes)
-    got_scale, got_zero = int4_kernel.scales_and_zeros(packed, k)
+    packed = quant_kernels.pack(codes, scale, zero, group_size)
+    assert packed.shape == (n, k // 2 + 4 * (k // 32)) and torch.equal(quant_kernels.unpack(packed, k), codes)
+    got_scale, got_zero = quant_kernels.scales_and_zeros(packed, k)
     repeat = group_size // 32
     assert torch.equal(got_scale[:, ::repeat], scale) and torch.equal(got_zero[:, ::repeat], zero)
     weight = _by_hand(codes, scale, zero, group_size)
@@ -262,3 +262,38 @@ def test_int4_gemm_traces_under_torch_compile():
     x = torch.randn(1, 128).to(torch.bfloat16)
     compiled = torch.compile(lambda t: w.linear(t, None) * 2, backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(x), w.linear(x, None) * 2, rtol=0, atol=0)
+
+
+@needs_int4_kernel
+@pytest.mark.parametrize("n,k", [(77, 576), (4, 32), (130, 1536)])
+def test_int8_gemm_matches_a_float32_matmul_of_the_weight_dequantized_by_hand(n, k):
+    gemm = quant_kernels.load().int8_gemm
+    torch.manual_seed(n)
+    codes = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    codes[0, :4] = torch.tensor([-128, 127, 0, -1], dtype=torch.int8)  # the ends of the range
+    scale = (torch.rand(n) * 0.01 + 1e-4).to(torch.bfloat16)
+    weight = codes.float() * scale.float().unsqueeze(1)
+    for rows in (1, 2, 3, 5):
+        x = (torch.randn(rows, k) + 0.5).to(torch.bfloat16)  # a mean: the offset terms do not cancel it away
+        want = x.float() @ weight.t()
+        got = gemm(x, codes, scale)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        assert ((got.float() - want).abs() <= want.abs() * 2**-8 + 1e-3 * want.abs().max()).all()
+    with pytest.raises(RuntimeError, match=r"int8_gemm: scale must be \[N\] bfloat16"):
+        gemm(x, codes, scale.float())
+
+
+@needs_int4_kernel
+def test_int8_weight_with_and_without_the_kernel():
+    torch.manual_seed(5)
+    weight = (torch.randn(96, 64) * 0.05).to(torch.bfloat16)
+    ours = Int8Weight(weight, WeightOnlyOptions(dense_copy=False))
+    torchs = Int8Weight(weight, WeightOnlyOptions(dense_copy=False, avx512_kernel=False))
+    assert ours.kernel is not None and torchs.kernel is None
+    assert torch.equal(ours.dequantize(), torchs.dequantize())
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    want = x.float() @ ours.dequantize().float().t()
+    for w in (ours, torchs):
+        assert (w.linear(x, None).float() - want).abs().max() <= 2**-7 * want.abs().max()
+    compiled = torch.compile(lambda t: ours.linear(t, None) + 1, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), ours.linear(x, None) + 1, rtol=0, atol=0)

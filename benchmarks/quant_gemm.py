@@ -1,14 +1,16 @@
-"""paged's int4 kernel (``paged.plugins.int4_kernel``) against torch's
-(``aten._weight_int4pack_mm_for_cpu``) on the default model's projection shapes, side by side.
+"""paged's int4 and int8 kernels (``paged.plugins.quant_kernels``) against torch's
+(``aten._weight_int4pack_mm_for_cpu``, ``aten._weight_int8pack_mm``) on the default model's
+shapes, side by side.
 
 1. A decode step's weights: 30 layers x (qkv, o, gate_up, down), random codes, called in the
    model's order, so each weight comes from memory as in a step (66 MB, twice the L3 here);
    the two kernels alternate, one whole pass each per round. Prints ms per pass, the GB/s of
    weight bytes read (codes + bf16 scales and zeros) and the ratio torch / paged.
 2. In cache: one weight of each shape over and over (the kernels' arithmetic alone).
+3. The int8 LM head (``aten._weight_int8pack_mm`` against paged's ``int8_gemm``).
 
-    python benchmarks/int4_gemm.py
-    python benchmarks/int4_gemm.py --rows 1,2,4 --rounds 20
+    python benchmarks/quant_gemm.py
+    python benchmarks/quant_gemm.py --rows 1,2,4 --rounds 20
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 import torch
 
 SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576), "down_proj": (576, 1536)}
+LM_HEAD = (49152, 576)  # the tied embedding, Q8_0 in the GGUF: int8 per channel
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -29,10 +32,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args(argv)
 
-    from paged.plugins import int4_kernel
+    from paged.plugins import quant_kernels
 
-    gemm = int4_kernel.load()
-    if gemm is None:
+    kernels = quant_kernels.load()
+    if kernels is None:
         raise SystemExit("paged's int4 kernel is not available here (no AVX-512 BF16, or no compiler)")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {args.rounds} alternated rounds")
     gen = torch.Generator().manual_seed(0)
@@ -43,13 +46,13 @@ def main(argv: list[str] | None = None) -> None:
             codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen)
             scale = (torch.rand(n, k // 32, generator=gen) * 0.02).to(torch.bfloat16)
             zero = (torch.randn(n, k // 32, generator=gen) * 0.05).to(torch.bfloat16)
-            ours[name].append(int4_kernel.pack(codes, scale, zero, 32))
+            ours[name].append(quant_kernels.pack(codes, scale, zero, 32))
             theirs[name].append((torch._convert_weight_to_int4pack_for_cpu(codes, 1),
                                  torch.stack([scale.t(), zero.t()], dim=-1).contiguous()))
     step_bytes = args.layers * sum(n * k // 2 + 2 * (n * k // 32) * 2 for n, k in SHAPES.values())
 
     def paged(x, packed):
-        return gemm(x, packed)
+        return kernels.int4_gemm(x, packed)
 
     def aten(x, weight):
         packed, sz = weight
@@ -88,6 +91,31 @@ def main(argv: list[str] | None = None) -> None:
             b = [timed(aten, {name: x}, hot_theirs) / 30 * 1e3 for _ in range(args.rounds)]
             print(f"{name:<13} {n:>5}x{k:<5} {m:>2} | {np.median(a):8.1f} | {np.median(b):8.1f} | "
                   f"{np.median(np.array(b) / np.array(a)):.2f}")
+
+    n, k = LM_HEAD
+    heads = [torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen) for _ in range(3)]
+    scale = (torch.rand(n, generator=gen) * 0.01).to(torch.bfloat16)
+    head_bytes = n * k + 2 * n
+    print(f"\n3. the int8 LM head ({n}x{k}, {head_bytes / 1e6:.0f} MB; three copies in turn, so each call "
+          "reads from memory), ms per call")
+    print(f"{'M':>2} | {'paged ms':>8} {'GB/s':>5} | {'torch ms':>8} {'GB/s':>5} | torch/paged")
+    for m in args.rows:
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+
+        def head(fn):
+            start = time.perf_counter()
+            for codes in heads:
+                fn(x, codes, scale)
+            return (time.perf_counter() - start) * 1e3 / len(heads)
+
+        head(kernels.int8_gemm), head(torch._weight_int8pack_mm)  # warm-up
+        a, b = [], []
+        for _ in range(args.rounds):
+            a.append(head(kernels.int8_gemm))
+            b.append(head(torch._weight_int8pack_mm))
+        a_ms, b_ms = float(np.median(a)), float(np.median(b))
+        print(f"{m:>2} | {a_ms:8.2f} {head_bytes / a_ms / 1e6:5.1f} | {b_ms:8.2f} {head_bytes / b_ms / 1e6:5.1f} | "
+              f"{np.median(np.array(b) / np.array(a)):.2f}")
 
 
 if __name__ == "__main__":

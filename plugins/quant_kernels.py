@@ -1,15 +1,16 @@
-"""An int4 x bfloat16 GEMM for decode-sized batches on CPUs with AVX-512 BF16 (C++, built on
-first use), used by the bundled ``int4`` method (``paged.plugins.quantization``).
+"""int4 and int8 x bfloat16 GEMMs for decode-sized batches on CPUs with AVX-512 BF16 (C++,
+built on first use), used by the bundled ``int4`` and ``int8`` methods
+(``paged.plugins.quantization``).
 
 Why: ``aten._weight_int4pack_mm_for_cpu`` widens every code to fp32 and multiplies-adds per
 weight, and streams a decode step's weights from memory at ~25 GB/s on this 2-core machine (half
-its copy bandwidth). Here a code becomes a bf16 number in one or two integer instructions,
-``vdpbf16ps`` multiplies-adds 32 weights per instruction, and each thread prefetches 8 KB ahead
-in its run of rows (a call is too short for the hardware prefetchers to ramp up): the step's
-weights stream at ~44 GB/s, 1.5x torch's kernel, and 1.3-1.7x in cache
-(``python benchmarks/int4_gemm.py``).
+its copy bandwidth); ``aten._weight_int8pack_mm`` (the LM head) likewise. Here a code becomes a
+bf16 number in one or two integer instructions, ``vdpbf16ps`` multiplies-adds 32 weights per
+instruction, and each thread prefetches 8 KB ahead in its run of rows (a call is too short for
+the hardware prefetchers to ramp up): the step's int4 weights stream at ~44 GB/s, 1.5x torch's
+kernel, and 1.3-1.7x in cache (``python benchmarks/quant_gemm.py``).
 
-Layout, row-major (a row's bytes are contiguous, so each thread streams one run of memory)::
+int4 layout, row-major (a row's bytes are contiguous, so each thread streams one run of memory)::
 
     packed [N, K/2 + 4*K/32] uint8, per row: per 64 inputs 32 bytes, byte j holding the code
         of input j (low nibble) and of input 32 + j (high nibble); then the row's K/32 scales
@@ -22,14 +23,21 @@ number ``128 + code`` (exact: 7 mantissa bits), so per 32-input half ``g`` the k
 ``d_g = sum (128 + code) * x`` (``vdpbf16ps``, fp32 accumulation) and a row's output is
 ``sum_g scale_g * d_g + sum_g (zero_g - 136 * scale_g) * sum_{k in g} x_k``, rounded once to
 bfloat16 (the 128 offset costs 7 of fp32's 24 bits in the partial sums, far below the bf16
-rounding of the result). Four output rows are computed together (independent FMA chains; a
+rounding of the result).
+
+int8: torch's layout, ``codes [N, K]`` int8 and ``scale [N]`` bfloat16 with ``W = scale * code``;
+``u = code + 128`` split in nibbles ``u = 16 hi + lo``, each nibble a bf16 ``128 + nibble`` as
+above, and ``sum code * x = 16 sum (128 + hi) x + sum (128 + lo) x - 2304 sum x``.
+
+Both: four output rows are computed together (independent FMA chains; a
 chunk's two scales come in one broadcast load) with a software prefetch a few rows ahead; rows
 of ``x`` are taken four at a time (more rows: further passes, the weights then come from L2).
 
-``load()`` returns the kernel ``(x [M, K] bf16, packed) -> [M, N] bf16`` or
-``None`` (after one warning) where it cannot be built, or the CPU lacks AVX-512 BF16 (then the
-int4 method keeps torch's kernel and layout). Under ``torch.compile`` it is the opaque op
-``torch.ops.paged_int4.int4_gemm`` (``int4_gemm``; a fake implementation gives its shape).
+``load()`` returns the kernels, ``int4_gemm(x [M, K] bf16, packed) -> [M, N] bf16`` and
+``int8_gemm(x, codes, scale)``, or ``None`` (after one warning) where they cannot be built, or
+the CPU lacks AVX-512 BF16 (then the methods keep torch's kernels and layouts). Under
+``torch.compile`` they are the opaque ops ``torch.ops.paged_quant.*`` (``int4_gemm``,
+``int8_gemm`` here; fake implementations give their shapes).
 """
 
 from __future__ import annotations
@@ -54,32 +62,47 @@ SUB = 32  # inputs per scale/zero entry: the group size must be a multiple
 
 @functools.cache
 def load() -> Any | None:
-    """``torch.ops.paged_int4.int4_gemm``, built on first use; ``None`` where it cannot run here."""
+    """The kernels as a Python module (``int4_gemm``, ``int8_gemm``), built on first use;
+    ``None`` where they cannot run here."""
     try:
-        name = native.build_name("paged_int4_", _SOURCE, _CFLAGS)
-        module = native.build_and_load(name, _SOURCE, _CFLAGS, "CPU int4 kernel", logger)
+        name = native.build_name("paged_quant_", _SOURCE, _CFLAGS)
+        module = native.build_and_load(name, _SOURCE, _CFLAGS, "CPU int4/int8 kernels", logger)
     except Exception as e:  # noqa: BLE001 -- no compiler, no ninja, unwritable cache, ...: never fatal
-        logger.warning("CPU int4 kernel unavailable, int4 weights use torch's kernel instead: %s", e)
+        logger.warning("CPU int4/int8 kernels unavailable, quantized weights use torch's kernels instead: %s", e)
         return None
     if not module.available():
-        logger.info("CPU int4 kernel: this CPU has no AVX-512 BF16; int4 weights use torch's kernel")
+        logger.info("CPU int4/int8 kernels: this CPU has no AVX-512 BF16; quantized weights use torch's kernels")
         return None
 
-    @torch.library.register_fake("paged_int4::int4_gemm")
-    def _fake(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    @torch.library.register_fake("paged_quant::int4_gemm")
+    def _fake_int4(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         return x.new_empty(x.shape[0], packed.shape[0])
 
-    return module.int4_gemm
+    @torch.library.register_fake("paged_quant::int8_gemm")
+    def _fake_int8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(x.shape[0], codes.shape[0])
+
+    return module
 
 
 def int4_gemm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """The kernel as the torch op (what ``torch.compile`` traces; eager callers use ``load()``'s)."""
-    return torch.ops.paged_int4.int4_gemm(x, packed)
+    """The int4 kernel as the torch op (what ``torch.compile`` traces; eager code calls ``load()``'s)."""
+    return torch.ops.paged_quant.int4_gemm(x, packed)
 
 
-def supports(shape: tuple[int, int], group_size: int, dtype: torch.dtype) -> bool:
-    """Whether a weight of ``shape`` ``[N, K]`` in groups of ``group_size`` can use the kernel."""
+def int8_gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The int8 kernel as the torch op (what ``torch.compile`` traces; eager code calls ``load()``'s)."""
+    return torch.ops.paged_quant.int8_gemm(x, codes, scale)
+
+
+def supports_int4(shape: tuple[int, int], group_size: int, dtype: torch.dtype) -> bool:
+    """Whether an int4 weight of ``shape`` ``[N, K]`` in groups of ``group_size`` can use the kernel."""
     return dtype == torch.bfloat16 and shape[1] % CHUNK == 0 and group_size % SUB == 0
+
+
+def supports_int8(shape: tuple[int, int], dtype: torch.dtype) -> bool:
+    """Whether an int8 weight of ``shape`` ``[N, K]`` can use the kernel."""
+    return dtype == torch.bfloat16 and shape[1] % SUB == 0
 
 
 def row_bytes(k: int) -> int:
