@@ -7,6 +7,7 @@
 #include <torch/library.h>
 #include <torch/python.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -61,37 +62,92 @@ void check_cpu(const at::Tensor& t, const char* op, const char* name) {
               " must be float32, bfloat16 or float16, got ", s);
 }
 
+// ---- 16 lanes at a time -----------------------------------------------------------------------
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+
+inline vec splat(float f) { return vec{} + f; }
+
+// v rounded to T and read back (what storing it in a T tensor keeps), 16 lanes at a time
+template <typename T>
+inline vec round16(vec v) {
+  float f[W];
+  std::memcpy(f, &v, sizeof f);
+  for (int i = 0; i < W; ++i) f[i] = rounded<T>(f[i]);
+  std::memcpy(&v, f, sizeof v);
+  return v;
+}
+template <>
+inline vec round16<float>(vec v) { return v; }
+template <>
+inline vec round16<c10::BFloat16>(vec v) {  // round to nearest even on the bits; NaN stays NaN
+  vu u;
+  std::memcpy(&u, &v, sizeof u);
+  const vu bias = ((u >> 16) & 1u) + 0x7fffu;
+  const vu is_nan = (u & 0x7fffffffu) > 0x7f800000u;
+  u = is_nan ? (u | 0x00400000u) & 0xffff0000u : (u + bias) & 0xffff0000u;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+template <typename T>
+inline void store16(T* p, vec v) {  // v already holds values of T
+  float f[W];
+  std::memcpy(f, &v, sizeof f);
+  for (int i = 0; i < W; ++i) p[i] = from_f<T>(f[i]);
+}
+template <>
+inline void store16<c10::BFloat16>(c10::BFloat16* p, vec v) {  // v's low 16 bits are zero: truncation
+  vu u;
+  std::memcpy(&u, &v, sizeof u);
+  const vh h = __builtin_convertvector(u >> 16, vh);
+  std::memcpy(p, &h, sizeof h);
+}
+
 // ---- RMSNorm --------------------------------------------------------------------------------
 // Eager (paged.models.layers.RMSNorm): h = x + residual (rounded); h32 = float(h);
 // out = weight * round(h32 * rsqrt(mean(h32^2) + eps)) (rounded).
 template <typename T>
 void norm_rows(const T* x, const T* res, T* res_out, const T* w, T* out, int64_t rows, int64_t n, float eps) {
   at::parallel_for(0, rows, GRAIN_ROWS, [&](int64_t begin, int64_t end) {
-    std::vector<float> h(n);
+    std::vector<float> h(n + W);
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * n;
-      float partial[16] = {0};  // 16 running sums: vectorizes, and is closer to torch's tree sum
       int64_t i = 0;
       if (res != nullptr) {
         const T* rr = res + r * n;
         T* ro = res_out + r * n;
+        for (; i + W <= n; i += W) {
+          const vec sum = round16<T>(load_vec(xr + i) + load_vec(rr + i));
+          store16(ro + i, sum);
+          std::memcpy(h.data() + i, &sum, sizeof sum);
+        }
         for (; i < n; ++i) {
           const T sum = from_f<T>(to_f(xr[i]) + to_f(rr[i]));
           ro[i] = sum;
           h[i] = to_f(sum);
         }
       } else {
+        for (; i + W <= n; i += W) {
+          const vec v = load_vec(xr + i);
+          std::memcpy(h.data() + i, &v, sizeof v);
+        }
         for (; i < n; ++i) h[i] = to_f(xr[i]);
       }
-      i = 0;
-      for (; i + 16 <= n; i += 16)
-        for (int j = 0; j < 16; ++j) partial[j] += h[i + j] * h[i + j];
-      for (; i < n; ++i) partial[0] += h[i] * h[i];
+      vec partial = splat(0.f);  // 16 running sums: closer to torch's tree sum than one
+      for (i = 0; i + W <= n; i += W) {
+        const vec v = load_vec(h.data() + i);
+        partial += v * v;
+      }
       float ss = 0.f;
-      for (int j = 0; j < 16; ++j) ss += partial[j];
+      for (; i < n; ++i) ss += h[i] * h[i];
+      for (int j = 0; j < W; ++j) ss += partial[j];
       const float inv = 1.f / std::sqrt(ss / float(n) + eps);
       T* o = out + r * n;
-      for (i = 0; i < n; ++i) o[i] = from_f<T>(to_f(w[i]) * rounded<T>(h[i] * inv));
+      for (i = 0; i + W <= n; i += W)
+        store16(o + i, round16<T>(load_vec(w + i) * round16<T>(load_vec(h.data() + i) * splat(inv))));
+      for (; i < n; ++i) o[i] = from_f<T>(to_f(w[i]) * rounded<T>(h[i] * inv));
     }
   });
 }
@@ -160,7 +216,13 @@ void rotate_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& s
       for (int64_t h = 0; h < heads; ++h) {
         const T* a = xp + t * xs0 + h * xs1;
         T* o = op + (t * heads + h) * 2 * half;
-        for (int64_t j = 0; j < half; ++j) {
+        int64_t j = 0;
+        for (; j + W <= half; j += W) {
+          const vec x1 = load_vec(a + j), x2 = load_vec(a + j + half), cj = load_vec(c + j), sj = load_vec(s + j);
+          store16(o + j, round16<T>(round16<T>(x1 * cj) - round16<T>(x2 * sj)));
+          store16(o + j + half, round16<T>(round16<T>(x2 * cj) + round16<T>(x1 * sj)));
+        }
+        for (; j < half; ++j) {
           const float x1 = to_f(a[j]), x2 = to_f(a[j + half]), cj = to_f(c[j]), sj = to_f(s[j]);
           o[j] = from_f<T>(rounded<T>(x1 * cj) - rounded<T>(x2 * sj));
           o[j + half] = from_f<T>(rounded<T>(x2 * cj) + rounded<T>(x1 * sj));
@@ -206,12 +268,6 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor&
 // silu(g) = g / (1 + exp(-g)) in fp32. exp is evaluated 16 lanes at a time (below; within 2 ulp of
 // the correctly rounded fp32 value, where torch's own vectorized exp is within 1), so a bfloat16
 // result can differ from eager's in the last bit where the fp32 value falls on a rounding boundary.
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef uint32_t vu __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));
-
-inline vec splat(float f) { return vec{} + f; }
-
 inline vec exp16(vec x) {  // Cephes' expf: 2^n * p(r), r = x - n ln2, |r| <= ln2 / 2
   x = x < splat(-87.3f) ? splat(-87.3f) : x;
   x = x > splat(88.7f) ? splat(88.7f) : x;
@@ -231,45 +287,11 @@ inline vec exp16(vec x) {  // Cephes' expf: 2^n * p(r), r = x - n ln2, |r| <= ln
   return p * two_n;
 }
 
-// v rounded to T and read back (what storing it in a T tensor keeps), 16 lanes at a time
-template <typename T>
-inline vec round16(vec v) {
-  float f[W];
-  std::memcpy(f, &v, sizeof f);
-  for (int i = 0; i < W; ++i) f[i] = rounded<T>(f[i]);
-  std::memcpy(&v, f, sizeof v);
-  return v;
-}
-template <>
-inline vec round16<float>(vec v) { return v; }
-template <>
-inline vec round16<c10::BFloat16>(vec v) {  // round to nearest even on the bits; NaN stays NaN
-  vu u;
-  std::memcpy(&u, &v, sizeof u);
-  const vu bias = ((u >> 16) & 1u) + 0x7fffu;
-  const vu is_nan = (u & 0x7fffffffu) > 0x7f800000u;
-  u = is_nan ? (u | 0x00400000u) & 0xffff0000u : (u + bias) & 0xffff0000u;
-  std::memcpy(&v, &u, sizeof v);
-  return v;
-}
-
-template <typename T>
-inline void store16(T* p, vec v) {  // v already holds values of T
-  float f[W];
-  std::memcpy(f, &v, sizeof f);
-  for (int i = 0; i < W; ++i) p[i] = from_f<T>(f[i]);
-}
-template <>
-inline void store16<c10::BFloat16>(c10::BFloat16* p, vec v) {  // v's low 16 bits are zero: truncation
-  vu u;
-  std::memcpy(&u, &v, sizeof u);
-  const vh h = __builtin_convertvector(u >> 16, vh);
-  std::memcpy(p, &h, sizeof h);
-}
-
 template <typename T>
 void silu_mul_rows(const T* x, T* out, int64_t rows, int64_t inter, int64_t x_stride) {
-  at::parallel_for(0, rows, GRAIN_ROWS, [&](int64_t begin, int64_t end) {
+  // ~16k values per task: an MLP row is wide, and exp is the costliest op here
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(inter, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* g = x + r * x_stride;
       const T* u = g + inter;
