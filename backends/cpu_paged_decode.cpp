@@ -4,6 +4,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 #include <torch/python.h>
 
@@ -258,6 +259,16 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
   }
 }
 
+// A step of decodes only, one call per layer: the new K/V rows into the caches, then attention.
+at::Tensor write_and_decode(const at::Tensor& q, const at::Tensor& key, const at::Tensor& value,
+                            const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                            const at::Tensor& block_table, const at::Tensor& seq_lens, double scale) {
+  write_kv(key, value, k_cache, v_cache, slot_mapping);
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale, out);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(paged_cpu, m) {
@@ -270,4 +281,5 @@ TORCH_LIBRARY(paged_cpu, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {  // the same kernels, called from eager code without the dispatcher
   m.def("paged_decode", &paged_decode);
   m.def("write_kv", &write_kv);
+  m.def("write_and_decode", &write_and_decode);
 }

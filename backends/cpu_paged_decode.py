@@ -81,7 +81,8 @@ def load() -> Callable[..., None] | None:
 
 def kernels() -> ModuleType | None:
     """The library as a Python module, for eager callers (no dispatcher: ~0.15 us a call instead
-    of ~1.7): ``paged_decode(...)`` as above and ``write_kv(key, value, k_cache, v_cache,
-    slot_mapping)`` (each token's K/V rows into the caches at its slot). ``None`` where ``load``
-    fails."""
+    of ~1.7): ``paged_decode(...)`` as above, ``write_kv(key, value, k_cache, v_cache,
+    slot_mapping)`` (each token's K/V rows into the caches at its slot) and
+    ``write_and_decode(q, key, value, k_cache, v_cache, slot_mapping, block_table, seq_lens,
+    scale) -> out`` (both, for a step of decodes only). ``None`` where ``load`` fails."""
     return _loaded.get("module") if load() is not None else None

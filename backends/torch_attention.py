@@ -5,8 +5,8 @@ by every layer); each layer's ``forward`` then
 
 1. writes the new K/V into its cache at ``slot_mapping`` (``index_copy_`` on the cache flattened
    to ``[num_blocks * block_size, num_kv_heads, head_dim]``; in a step of decodes only on the
-   CPU, the kernel library's ``write_kv``: one call instead of six ops), before anything is
-   read, so a request may read blocks that another request of the same step has just written;
+   CPU, the kernel library's ``write_and_decode``: KV write and attention in one call), before
+   anything is read, so a request may read blocks that another request of the same step has just written;
 2. attends, decodes and prefill chunks separately:
 
    - decodes (query length 1, the first ``num_decodes`` requests) on the CPU: one call of the
@@ -114,11 +114,12 @@ class TorchAttentionBackend:
         self.layout = layout
         self.options = options or TorchAttentionOptions()
         self._kernel: Callable[..., None] | None = None  # cpu_paged_decode: (q, k/v_cache, table, lens, scale, out)
-        self._write_kv: Callable[..., None] | None = None  # (key, value, k_cache, v_cache, slot_mapping)
+        # (q, key, value, k_cache, v_cache, slot_mapping, block_table, seq_lens, scale) -> out
+        self._write_and_decode: Callable[..., torch.Tensor] | None = None
         if self.options.cpu_decode_kernel and layout.device.type == "cpu":
             kernels = cpu_paged_decode.kernels()  # built once per process; None (warned) if it cannot be
             if kernels is not None:
-                self._kernel, self._write_kv = kernels.paged_decode, kernels.write_kv
+                self._kernel, self._write_and_decode = kernels.paged_decode, kernels.write_and_decode
         self._buffers = ScratchBuffers()  # gather scratch, reused by every layer and step
 
     def allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -188,11 +189,9 @@ class TorchAttentionBackend:
         k_cache, v_cache = kv_cache
         decode = metadata.decode
         if metadata.fused_decode_only and query.dtype == k_cache.dtype and query.stride(-1) == 1:
-            # a step of decodes only (the steady state): KV write and attention in two C++ calls
-            self._write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
-            out = torch.empty(query.shape, dtype=query.dtype)
-            self._kernel(query, k_cache, v_cache, decode.block_table, decode.seq_lens, self.layout.scale, out)
-            return out
+            # a step of decodes only (the steady state): KV write and attention in one C++ call
+            return self._write_and_decode(query, key, value, k_cache, v_cache, metadata.slot_mapping,
+                                          decode.block_table, decode.seq_lens, self.layout.scale)
         k_flat, v_flat = write_kv_by_slot(key, value, kv_cache, metadata.slot_mapping)
 
         q = query.to(k_cache.dtype)
