@@ -278,8 +278,11 @@ TORCH_LIBRARY(paged_cpu, m) {
         "float scale, Tensor(a!) out) -> ()", &paged_decode);
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {  // the same kernels, called from eager code without the dispatcher
-  m.def("paged_decode", &paged_decode);
-  m.def("write_kv", &write_kv);
-  m.def("write_and_decode", &write_and_decode);
+namespace py = pybind11;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {  // the same kernels, called from eager code without the dispatcher;
+  // the GIL is released while they run, as torch's own ops do
+  m.def("paged_decode", &paged_decode, py::call_guard<py::gil_scoped_release>());
+  m.def("write_kv", &write_kv, py::call_guard<py::gil_scoped_release>());
+  m.def("write_and_decode", &write_and_decode, py::call_guard<py::gil_scoped_release>());
 }

@@ -340,9 +340,12 @@ TORCH_LIBRARY(paged_layers, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {  // the same kernels, called from eager code without the dispatcher
-  m.def("rms_norm", &rms_norm);
-  m.def("add_rms_norm", &add_rms_norm);
-  m.def("rotary", &rotary);
-  m.def("silu_and_mul", &silu_and_mul);
+namespace py = pybind11;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {  // the same kernels, called from eager code without the dispatcher;
+  // the GIL is released while they run, as torch's own ops do
+  m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>());
+  m.def("add_rms_norm", &add_rms_norm, py::call_guard<py::gil_scoped_release>());
+  m.def("rotary", &rotary, py::call_guard<py::gil_scoped_release>());
+  m.def("silu_and_mul", &silu_and_mul, py::call_guard<py::gil_scoped_release>());
 }

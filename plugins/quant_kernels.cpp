@@ -274,8 +274,11 @@ TORCH_LIBRARY_IMPL(paged_quant, CPU, m) {
   m.impl("int8_gemm", &int8_gemm);
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {  // the same kernels, called from eager code without the dispatcher
-  m.def("int4_gemm", &int4_gemm);
-  m.def("int8_gemm", &int8_gemm);
+namespace py = pybind11;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {  // the same kernels, called from eager code without the dispatcher;
+  // the GIL is released while they run, as torch's own ops do
+  m.def("int4_gemm", &int4_gemm, py::call_guard<py::gil_scoped_release>());
+  m.def("int8_gemm", &int8_gemm, py::call_guard<py::gil_scoped_release>());
   m.def("available", &kernels_available);
 }
