@@ -92,7 +92,14 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   const int64_t heads_per_item = B >= 2 * at::get_num_threads() ? Hkv : 1;
   const int64_t items_per_req = Hkv / heads_per_item, QH = heads_per_item * G;  // query heads per item
   const int64_t items = B * items_per_req;
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)));
+  // Split-KV: with fewer items than two per thread (batch 1: one per KV head, 3 for 2 threads
+  // here), each item's positions are cut into `splits` runs of whole tiles, computed as separate
+  // work units, and their softmax states (max, sum, accumulator) merged at the end.
+  const int64_t num_threads = at::get_num_threads();
+  const int64_t splits = items < 2 * num_threads ? (2 * num_threads + items - 1) / items : 1;
+  const int64_t units = items * splits;
+  std::vector<float> partial(splits > 1 ? units * QH * (D + 2) : 0);  // per unit and query head: m, l, acc[D]
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, units)));
 
   // Dynamic scheduling, not at::parallel_for's static halves: contexts are ragged (and a core
   // may be busy elsewhere), so a fixed split leaves a thread idle at the end.
@@ -104,7 +111,8 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
     std::vector<int64_t> rows(TILE), stage_rows(TILE);
     for (int64_t t = 0; t < TILE; ++t) stage_rows[t] = t * D;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < items; ++item) {
+    for (int64_t unit = 0; unit < units; ++unit) {
+      const int64_t item = unit / splits, split = unit % splits;
       // query heads h0 * G + i, i < QH; query head i uses KV head h0 + i / G
       const int64_t b = item / items_per_req, h0 = item % items_per_req * heads_per_item, len = lens[b];
       for (int64_t i = 0; i < QH; ++i) {  // the queries in fp32, scale folded in
@@ -114,8 +122,11 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.f);
-      for (int64_t start = 0; start < len; start += TILE) {
-        const int64_t n = std::min(TILE, len - start);
+      const int64_t tiles_per_split = ((len + TILE - 1) / TILE + splits - 1) / splits;
+      const int64_t first = std::min(len, split * tiles_per_split * TILE);
+      const int64_t last = std::min(len, (split + 1) * tiles_per_split * TILE);
+      for (int64_t start = first; start < last; start += TILE) {
+        const int64_t n = std::min(TILE, last - start);
         for (int64_t t = 0; t < n; ++t) {  // cache row of each position, through the block table
           const int64_t j = start + t;
           rows[t] = ((int64_t)bt[b * bt_s0 + j / block_size] * block_size + j % block_size) * row;
@@ -183,10 +194,41 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
           }
         }
       }
+      if (splits > 1) {  // this run's softmax state, merged below
+        for (int64_t i = 0; i < QH; ++i) {
+          float* dst = partial.data() + (unit * QH + i) * (D + 2);
+          dst[0] = m[i];
+          dst[1] = l[i];
+          std::memcpy(dst + 2, acc.data() + i * D, D * sizeof(float));
+        }
+        continue;
+      }
       for (int64_t i = 0; i < QH; ++i) {
         const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;  // len 0 (never for a decode): zeros
         T* dst = op + b * o_s0 + (h0 * G + i) * o_s1;
         for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[i * D + d] * inv);
+      }
+    }
+    if (splits > 1) {  // after the loop's barrier: merge each item's runs (an empty run has m = -inf, l = 0)
+#pragma omp for schedule(static)
+      for (int64_t item = 0; item < items; ++item) {
+        const int64_t b = item / items_per_req, h0 = item % items_per_req * heads_per_item;
+        for (int64_t i = 0; i < QH; ++i) {
+          float m_all = -std::numeric_limits<float>::infinity();
+          for (int64_t j = 0; j < splits; ++j) m_all = std::max(m_all, partial[((item * splits + j) * QH + i) * (D + 2)]);
+          float l_all = 0.f;
+          std::fill(acc.begin(), acc.begin() + D, 0.f);
+          for (int64_t j = 0; j < splits; ++j) {
+            const float* src = partial.data() + ((item * splits + j) * QH + i) * (D + 2);
+            if (src[1] == 0.f) continue;  // an empty run
+            const float w = std::exp(src[0] - m_all);
+            l_all += src[1] * w;
+            for (int64_t d = 0; d < D; ++d) acc[d] += src[2 + d] * w;
+          }
+          const float inv = l_all > 0.f ? 1.f / l_all : 0.f;
+          T* dst = op + b * o_s0 + (h0 * G + i) * o_s1;
+          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[d] * inv);
+        }
       }
     }
   }

@@ -15,7 +15,10 @@ request (``b`` in ``0..B-1``)::
 
 Design. Work items are whole requests (or, when there are fewer than 2 per thread, (request, KV
 head) pairs, so that batch 1 still uses every core), handed to the threads dynamically (contexts
-are ragged). An item walks its positions ``TILE`` (64) at a time; a tile may span several blocks,
+are ragged). Still fewer than 2 per thread (batch 1 of a model with 3 KV heads on 2 threads:
+one thread would do two, the other one), each item's positions are split into runs of whole
+tiles computed as separate units, whose softmax states (running max, sum, fp32 accumulator)
+are merged at the end (split-KV). An item walks its positions ``TILE`` (64) at a time; a tile may span several blocks,
 so block size 1 costs nothing extra. Per tile and KV head, the ``G = H / Hkv`` query heads that
 share the KV head are processed one after the other while the tile's K/V rows are hot in L1 (a
 bf16/fp16 tile is widened to fp32 once, into per-thread scratch, not once per query head): the

@@ -131,18 +131,36 @@ def test_strided_query_output_and_block_table(kernel):
 
 
 def test_threads_and_work_split_do_not_change_the_result(kernel):
-    # 1 thread: one work item per request; 8 threads for 5 requests: one per (request, KV head).
-    # Each query head is computed the same way either way: equal bit for bit.
+    # 1 thread: one work item per request; 4 threads for 5 requests: one per (request, KV head).
+    # Each query head is computed the same way either way: equal bit for bit. 8 threads: 15 items
+    # are fewer than 2 per thread, so each item's positions are split in two runs whose softmax
+    # states are merged (split-KV): the same values up to rounding (check: against brute force).
     case = make_case([33, 1, 90, 16, 7], num_kv_heads=3, group=3, head_dim=64, block_size=16, dtype=torch.float32)
     threads = torch.get_num_threads()
     results = []
     try:
-        for n in (1, 8):
+        for n in (1, 4, 8):
             torch.set_num_threads(n)
             results.append(check(kernel, *case))
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(results[0], results[1])
+    assert not torch.equal(results[0], results[2])  # the split path did run
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens", [[1], [63], [64], [65], [500], [1000, 3]])
+def test_split_kv_for_small_batches(kernel, dtype, lens):
+    """Batch 1-2 on 2+ threads: the positions of each (request, KV head) are split in runs of whole
+    64-position tiles, some of them empty for short contexts, and merged."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(max(2, threads))
+        check(kernel, *make_case(lens, num_kv_heads=3, group=3, head_dim=64, block_size=16, dtype=dtype))
+        torch.set_num_threads(6)  # one item, six runs
+        check(kernel, *make_case(lens, num_kv_heads=1, group=4, head_dim=64, block_size=16, dtype=dtype))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_rejects_bad_inputs(kernel):
