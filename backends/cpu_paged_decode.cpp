@@ -292,10 +292,11 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());
   const int64_t ks = key.stride(0) * key.element_size(), vs = value.stride(0) * value.element_size();
+  for (int64_t t = 0; t < tokens; ++t)  // every slot checked before anything is written
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "write_kv: slot ", slots[t], " of token ", t,
+                " is outside the cache (", num_slots, " slots)");
   for (int64_t t = 0; t < tokens; ++t) {
     const int64_t slot = slots[t];
-    TORCH_CHECK(slot >= 0 && slot < num_slots, "write_kv: slot ", slot, " of token ", t, " is outside the cache (",
-                num_slots, " slots)");
     std::memcpy(kc + slot * row_bytes, kp + t * ks, row_bytes);
     std::memcpy(vc + slot * row_bytes, vp + t * vs, row_bytes);
   }

@@ -270,7 +270,7 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor&
 // result can differ from eager's in the last bit where the fp32 value falls on a rounding boundary.
 inline vec exp16(vec x) {  // Cephes' expf: 2^n * p(r), r = x - n ln2, |r| <= ln2 / 2
   x = x < splat(-87.3f) ? splat(-87.3f) : x;
-  x = x > splat(88.7f) ? splat(88.7f) : x;
+  x = x > splat(88.7f) ? splat(88.7f) : x;  // 2^128 = inf past ~88.4: silu(-inf) is then nan, as eager
   const vec magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
   const vec n = (x * splat(1.44269504088896341f) + magic) - magic;
   const vec r = (x - n * splat(0.693359375f)) - n * splat(-2.12194440e-4f);

@@ -54,9 +54,14 @@ def load() -> Any | None:
         return None
 
 
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def enabled(x: torch.Tensor) -> Any | None:
-    """The ops when ``x`` should go through them: a CPU tensor, eager (not being traced by
-    ``torch.compile``), and the kernels built."""
-    if not x.is_cpu or torch.compiler.is_compiling():
+    """The ops when ``x`` should go through them: a CPU tensor of a dtype they compute, eager
+    (not being traced by ``torch.compile``), and the kernels built. Callers also check what their
+    op needs of the other inputs (same dtype and shape, no broadcasting) and otherwise keep their
+    torch ops, which accept more."""
+    if not x.is_cpu or x.dtype not in _DTYPES or torch.compiler.is_compiling():
         return None
     return load()

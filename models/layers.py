@@ -292,10 +292,12 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         ops = cpu_layer_ops.enabled(x)
-        if ops is not None and x.dtype == self.weight.dtype:  # one fused op instead of ten
+        weight = self.weight
+        if ops is not None and x.dtype == weight.dtype:  # one fused op instead of ten
             if residual is None:
-                return ops.rms_norm(x, self.weight, self.eps)
-            return ops.add_rms_norm(x, residual, self.weight, self.eps)
+                return ops.rms_norm(x, weight, self.eps)
+            if residual.dtype == x.dtype and residual.shape == x.shape:  # else: the torch ops broadcast
+                return ops.add_rms_norm(x, residual, weight, self.eps)
         if residual is None:
             return self._norm(x)
         x = x + residual
@@ -332,7 +334,7 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         ops = cpu_layer_ops.enabled(gate_up)
-        if ops is not None:
+        if ops is not None and gate_up.dim() == 2:
             return self.down_proj(ops.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)

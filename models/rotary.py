@@ -116,7 +116,9 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = cos_sin if cos_sin is not None else self.lookup(positions, query.dtype)
         ops = cpu_layer_ops.enabled(query)
-        if ops is not None and cos.dtype == query.dtype == key.dtype:  # one fused op instead of twelve
+        if (ops is not None and cos.dtype == query.dtype == key.dtype and query.dim() == key.dim() == 3
+                and query.stride(-1) == key.stride(-1) == 1):
+            # one fused op instead of twelve
             return ops.rotary(query, key, cos, sin)
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 

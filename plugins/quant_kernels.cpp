@@ -183,17 +183,17 @@ void rows_range(const uint8_t* w, const Ctx& ctx, int64_t m0, int64_t n0, int64_
   constexpr int R = MT == 1 ? 4 : MT == 2 ? 2 : 1;
   const int64_t stride = Kind::stride(ctx.K);
   // this thread's rows are one run of memory: keep PREFETCH_BYTES of it requested ahead
-  const char* end = reinterpret_cast<const char*>(w + n1 * stride);
-  const char* next = reinterpret_cast<const char*>(w + n0 * stride);  // the next line to prefetch
+  const char* base = reinterpret_cast<const char*>(w);
+  const int64_t end = n1 * stride;
+  int64_t next = n0 * stride;  // offset of the next line to prefetch
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
-    const char* target = std::min(end, reinterpret_cast<const char*>(w + (n + R) * stride) + PREFETCH_BYTES);
-    for (; next < target; next += 64) _mm_prefetch(next, _MM_HINT_T0);
+    const int64_t target = std::min(end, (n + R) * stride + PREFETCH_BYTES);
+    for (; next < target; next += 64) _mm_prefetch(base + next, _MM_HINT_T0);
     Kind::template tile<R, MT>(w + n * stride, ctx, n, m0);
   }
   for (; n < n1; ++n) Kind::template tile<1, MT>(w + n * stride, ctx, n, m0);
 }
-#endif
 
 // x [M, K] bfloat16 times the N packed rows -> [M, N] bfloat16
 template <typename Kind>
@@ -202,7 +202,6 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& packed, const uint16_t
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-#ifdef PAGED_QUANT_AVX512
   const int64_t subs = K / SUB;
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
   std::vector<float> xs(M * subs);  // per 32 inputs, the sum of x (the zero and offset terms' factor)
@@ -224,9 +223,9 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& packed, const uint16_t
       }
     }
   });
-#endif
   return out;
 }
+#endif  // PAGED_QUANT_AVX512: without it the entry points below only raise (available() is false)
 
 void check_x(const at::Tensor& x, const at::Tensor& packed, const char* op) {
   TORCH_CHECK(available(), op, ": built without AVX-512 BF16");
@@ -243,7 +242,11 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed) {
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.size(1) == row_bytes(K) &&
                   packed.is_contiguous(),
               "int4_gemm: packed must be [N, ", row_bytes(K), "] uint8 contiguous for K ", K, ", got ", packed.sizes());
+#ifdef PAGED_QUANT_AVX512
   return gemm<Int4>(x, packed, nullptr);
+#else
+  return at::Tensor();  // unreachable: check_x raised
+#endif
 }
 
 // x [M, K] bfloat16, codes [N, K] int8, scale [N] bfloat16
@@ -256,7 +259,11 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   TORCH_CHECK(scale.dim() == 1 && scale.scalar_type() == at::kBFloat16 && scale.size(0) == codes.size(0) &&
                   scale.is_contiguous(),
               "int8_gemm: scale must be [N] bfloat16 contiguous, got ", scale.sizes(), " ", scale.scalar_type());
+#ifdef PAGED_QUANT_AVX512
   return gemm<Int8>(x, codes, reinterpret_cast<const uint16_t*>(scale.data_ptr()));
+#else
+  return at::Tensor();  // unreachable: check_x raised
+#endif
 }
 
 bool kernels_available() { return available(); }

@@ -73,7 +73,12 @@ def load() -> Any | None:
     if not module.available():
         logger.info("CPU int4/int8 kernels: this CPU has no AVX-512 BF16; quantized weights use torch's kernels")
         return None
+    _register_fakes()
+    return module
 
+
+@functools.cache  # once per process: a second registration raises
+def _register_fakes() -> None:
     @torch.library.register_fake("paged_quant::int4_gemm")
     def _fake_int4(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         return x.new_empty(x.shape[0], packed.shape[0])
@@ -81,8 +86,6 @@ def load() -> Any | None:
     @torch.library.register_fake("paged_quant::int8_gemm")
     def _fake_int8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return x.new_empty(x.shape[0], codes.shape[0])
-
-    return module
 
 
 def int4_gemm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:

@@ -297,3 +297,24 @@ def test_int8_weight_with_and_without_the_kernel():
         assert (w.linear(x, None).float() - want).abs().max() <= 2**-7 * want.abs().max()
     compiled = torch.compile(lambda t: ours.linear(t, None) + 1, backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(x), ours.linear(x, None) + 1, rtol=0, atol=0)
+
+
+def test_layers_keep_their_torch_ops_where_the_fused_ones_do_not_apply(ops):
+    """Mixed dtypes, a broadcast residual, a 3-D MLP input, float64: what the torch ops accept."""
+    torch.manual_seed(6)
+    norm = RMSNorm(32, 1e-5, dtype=torch.bfloat16, device="cpu")
+    norm.weight.data.normal_()
+    x = torch.randn(3, 32).to(torch.bfloat16)
+    for residual in (torch.randn(3, 32), torch.randn(1, 32).to(torch.bfloat16)):  # float32; broadcast
+        got, summed = norm(x, residual)
+        want, want_sum = _eager_norm(x, residual, norm.weight, 1e-5)
+        assert torch.equal(got, want) and torch.equal(summed, want_sum)
+    mlp = GatedMLP(32, 48, dtype=torch.bfloat16, device="cpu")
+    for p in mlp.parameters():
+        p.data.normal_(std=0.1)
+    x3 = torch.randn(2, 3, 32).to(torch.bfloat16)
+    assert mlp(x3).shape == (2, 3, 32)
+    norm64 = RMSNorm(32, 1e-5, dtype=torch.float64, device="cpu")
+    norm64.weight.data.fill_(1.0)
+    x64 = torch.randn(3, 32, dtype=torch.float64)
+    torch.testing.assert_close(norm64(x64), _eager_norm(x64, None, norm64.weight, 1e-5)[0])
