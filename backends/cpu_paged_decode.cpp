@@ -315,8 +315,6 @@ at::Tensor write_and_decode(const at::Tensor& q, const at::Tensor& key, const at
 }  // namespace
 
 TORCH_LIBRARY(paged_cpu, m) {
-  m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()",
-        &write_kv);
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
         "float scale, Tensor(a!) out) -> ()", &paged_decode);
 }

@@ -5,10 +5,10 @@ Used by ``paged.backends.cpu_paged_decode`` (paged-decode attention, KV write),
 ``paged.plugins.quant_kernels`` (int4 GEMM). ``build_and_load`` compiles a source with
 ``torch.utils.cpp_extension.load_inline`` into the torch extensions directory
 (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and imports it. A source
-exposes its kernels twice: as a Python module (``PYBIND11_MODULE``: what eager code calls, ~0.15
-us a call) and as torch ops (``TORCH_LIBRARY``, ``torch.ops.<namespace>.<name>``: what
-``torch.compile`` sees; a call through the dispatcher costs ~1.7 us, and a decode step makes
-~300 of them). This needs a C++ compiler and ninja (a dependency of the package). The build's name carries a hash of the source, the flags, the torch version and the
+exposes its kernels as a Python module (``PYBIND11_MODULE``: what eager code calls, ~0.15 us a
+call) and, where ``torch.compile`` must see them, also as torch ops (``TORCH_LIBRARY``,
+``torch.ops.<namespace>.<name>``; a call through the dispatcher costs ~1.7 us, and a decode step
+makes ~300 of them). This needs a C++ compiler and ninja (a dependency of the package). The build's name carries a hash of the source, the flags, the torch version and the
 CPU's feature flags, so a cached build is never loaded by a different torch or on a CPU it was
 not compiled for (``-march=native``). Only the headers a source needs are included
 (``torch/python.h`` for the bindings, not ``torch/extension.h``, which alone takes ~30 s to

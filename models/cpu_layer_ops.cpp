@@ -4,7 +4,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <torch/library.h>
 #include <torch/python.h>
 
 #include <algorithm>
@@ -332,13 +331,6 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
 }
 
 }  // namespace
-
-TORCH_LIBRARY(paged_layers, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
-  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)", &add_rms_norm);
-  m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)", &rotary);
-  m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
-}
 
 namespace py = pybind11;
 

@@ -41,9 +41,9 @@ _CFLAGS = [*native.CFLAGS, "-ffp-contract=off"]
 
 @functools.cache
 def load() -> Any | None:
-    """The four kernels above as a Python module (eager calls skip the dispatcher; they are also
-    ``torch.ops.paged_layers.*``), built on first use; ``None`` with one warning per process if
-    they cannot be built or loaded, or when ``PAGED_CPU_LAYER_OPS=0``."""
+    """The four kernels above as a Python module (no torch ops: only eager code calls them),
+    built on first use; ``None`` with one warning per process if they cannot be built or loaded,
+    or when ``PAGED_CPU_LAYER_OPS=0``."""
     if os.environ.get("PAGED_CPU_LAYER_OPS", "1") == "0":
         return None
     try:

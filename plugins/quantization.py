@@ -108,16 +108,11 @@ class Int8Weight(_DenseFallback):
         self.kernel = kernels.int8_gemm if kernels and quant_kernels.supports_int8(self.shape, self.dtype) else None
         self._init_dense(options, weight.dtype)
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if (bias is None and x.shape[0] <= self.max_rows and x.dtype == self.dtype and self.kernel is not None
-                and not torch.compiler.is_compiling()):  # the decode path, direct
-            return self.kernel(x, self.qweight, self.scale)
-        return super().linear(x, bias)
-
     def _quantized_linear(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
-            gemm = quant_kernels.int8_gemm if torch.compiler.is_compiling() else self.kernel
-            return gemm(x.to(self.dtype), self.qweight, self.scale).to(x.dtype)
+            if x.dtype == self.dtype and not torch.compiler.is_compiling():  # eager: the direct call
+                return self.kernel(x, self.qweight, self.scale)
+            return quant_kernels.int8_gemm(x.to(self.dtype), self.qweight, self.scale).to(x.dtype)
         return torch._weight_int8pack_mm(x.contiguous(), self.qweight, self.scale)
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
@@ -168,17 +163,11 @@ class Int4Weight(_DenseFallback):
         # codes back out of the packed layout (a second or so of every start-up)
         self._init_dense(options, dtype, lambda: self._dequantize_codes(codes, s, z))
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if bias is None and x.shape[0] <= self.max_rows and x.dtype == self.dtype:  # the decode path, direct
-            if self.kernel is not None and not torch.compiler.is_compiling():
-                return self.kernel(x, self.packed)
-            return self._quantized_linear(x)
-        return super().linear(x, bias)
-
     def _quantized_linear(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
-            gemm = quant_kernels.int4_gemm if torch.compiler.is_compiling() else self.kernel
-            return gemm(x.to(self.dtype), self.packed).to(x.dtype)
+            if x.dtype == self.dtype and not torch.compiler.is_compiling():  # eager: the direct call
+                return self.kernel(x, self.packed)
+            return quant_kernels.int4_gemm(x.to(self.dtype), self.packed).to(x.dtype)
         return torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group_size, self.scales_and_zeros)
 
     def codes(self, ids: torch.Tensor) -> torch.Tensor:
