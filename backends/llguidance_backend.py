@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from paged.core.structured_output import GrammarMatcher, StructuredOutputBackend, StructuredOutputParams
+from paged.core.structured_output import (GrammarMatcher, StructuredOutputBackend, StructuredOutputParams,
+                                          allowed_token_ids)
 
 
 class LLGuidanceOptions(BaseModel):
@@ -97,6 +98,34 @@ class LLGuidanceBackend(StructuredOutputBackend):
 
     def compile(self, params: StructuredOutputParams) -> Any:
         return _check(params, self.options, self.tokenizer)
+
+    def check_compiled(self, compiled: Any, vocab_size: int, stop_token_ids: list[int],
+                       max_tokens: int = 4) -> str | None:
+        """llguidance stops with an error where no token can follow (an empty language stops at
+        once) or where one of its limits is hit (lexer size, parser items), which it finds only
+        when masks are computed: this follows the lowest allowed token for a few steps. (Its
+        stopped matcher still accepts a stop token, so the default search cannot tell.)"""
+        from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+
+        m = self._LLMatcher(self.tokenizer, compiled, log_level=0)
+        bitmask = allocate_token_bitmask(1, vocab_size)
+        stops = set(stop_token_ids)
+        for step in range(max_tokens + 1):
+            if step:
+                tokens = [t for t in allowed_token_ids(bitmask[0], vocab_size).tolist() if t not in stops]
+                if not tokens:
+                    return None  # only a stop token is left: it can end
+                m.consume_token(tokens[0])
+            if not m.is_error():
+                fill_next_token_bitmask(m, bitmask, 0)
+            if m.is_error():
+                error = m.get_error().splitlines()[0][:500]
+                if step == 0 and error.startswith("NoExtensionBias"):
+                    return "no output satisfies it (no token can start it)"
+                return f"llguidance fails on it after {step} token(s): {error}"
+            if m.is_stopped():
+                return None
+        return None
 
     def matcher(self, compiled: Any) -> GrammarMatcher:
         m = self._LLMatcher(self.tokenizer, compiled, log_level=0)

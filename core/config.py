@@ -103,6 +103,21 @@ class StructuredOutputConfig(_Section):
     backend: str = Field("xgrammar", description="structured-output (grammar) backend plugin")
     options: dict[str, Any] = Field(default_factory=dict, description="the backend's typed options")
     compile_workers: int = Field(2, gt=0, description="threads that compile constraints, off the step")
+    max_schema_depth: int = Field(
+        64, gt=0, description="deepest nesting of objects and arrays in a request's JSON schema (checked before "
+        "queueing)",
+    )
+    max_constraint_bytes: int = Field(
+        64 << 10, gt=0, description="largest constraint in UTF-8 bytes: a JSON schema as JSON, a regex, a grammar, "
+        "or all choices together (checked before queueing)",
+    )
+    constraint_check_timeout_s: float = Field(
+        10.0, gt=0, description="longest the front-end's check may spend compiling a new constraint (in a worker "
+        "process, killed past it); a constraint that takes longer is refused",
+    )
+    constraint_check_workers: int = Field(
+        1, gt=0, description="worker processes that compile new constraints for the front-end's check"
+    )
 
 
 class ParallelConfig(_Section):
@@ -133,6 +148,26 @@ class ServerConfig(_Section):
     shutdown_grace_s: float = Field(
         10.0, ge=0, description="on SIGTERM, time in-flight requests get to finish before they are ended"
     )
+    on_engine_death: Literal["exit", "restart"] = Field(
+        "exit", description="when an engine core dies: exit non-zero (for a supervisor), or restart the engine"
+    )
+    max_restarts: int = Field(
+        5, gt=0, description="with on_engine_death=restart: restarts in a row before the server exits non-zero"
+    )
+    restart_backoff_s: float = Field(
+        1.0, gt=0, description="with on_engine_death=restart: wait before the first restart; doubled for each next one"
+    )
+    restart_backoff_max_s: float = Field(
+        30.0, gt=0, description="longest wait between restarts; an engine up this long resets the count of restarts"
+    )
+
+    @field_validator("restart_backoff_max_s")
+    @classmethod
+    def _at_least_the_first_backoff(cls, v: float, info) -> float:
+        first = info.data.get("restart_backoff_s")
+        if first is not None and v < first:
+            raise ValueError(f"must be at least restart_backoff_s ({first})")
+        return v
 
 
 _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar("paged_config_file", default=None)
@@ -357,7 +392,24 @@ def _validate_options(spec: PolicySpec | AttentionBackendSpec, options: dict[str
     try:
         return spec.options.model_validate(options)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e, prefix=f"{field_name}.")) from None
+        accepted = ", ".join(f"{name} (default {f.default!r})" if not f.is_required() else f"{name} (required)"
+                             for name, f in spec.options.model_fields.items())
+        raise ConfigError(format_validation_error(e, prefix=f"{field_name}.")
+                          + f"\n  {spec.name!r} accepts: {accepted or '(no options)'}") from None
+
+
+def check_quantization(config: "EngineConfig", registry=None) -> None:
+    """``model.quantization`` names a registered method (or none/auto) and its options validate:
+    checked before anything loads (the quantizer itself is made after the weights are read)."""
+    from paged.core.quantization import AUTO, NONE
+    from paged.core.registry import get_registry
+
+    name = config.model.quantization
+    if name in (NONE, AUTO):
+        return
+    registry = registry or get_registry()
+    _validate_options(registry.quantization_method(name), config.model.quantization_options,
+                      "model.quantization_options")
 
 
 def resolve_plugins(config: EngineConfig, registry=None, device: str = "cpu") -> ResolvedPlugins:

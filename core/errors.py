@@ -28,3 +28,14 @@ class RequestRejectedError(PagedError):
     def __init__(self, message: str, http_status: int = 429) -> None:
         super().__init__(message)
         self.http_status = http_status
+
+
+class EngineError(PagedError):
+    """A plugin or the engine failed while serving. The message names who raised (kind, name and
+    plugin), in which method, and the exception. Raised offline by ``LLM.generate``/``chat`` when
+    a request ended with ``finish_reason == "error"`` (``outputs`` then holds every request's
+    output, the failed ones included), or when the engine stopped (``outputs`` empty)."""
+
+    def __init__(self, message: str, outputs: list | None = None) -> None:
+        super().__init__(message)
+        self.outputs = outputs or []

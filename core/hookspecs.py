@@ -15,8 +15,11 @@ A plugin is a module (found through the ``paged`` entry-point group) that implem
 The contracts the specs' factories meet: ``paged.core.policy`` (scheduling policies),
 ``paged.core.attention`` (attention backends), ``paged.core.structured_output`` (grammar
 backends for structured outputs), ``paged.core.quantization`` (weight-only quantization
-methods) and ``paged.core.model`` (model architectures;
-``AttentionShape``, ``CausalLM`` and ``ModelClass`` are re-exported here). A model plugin builds
+methods; ``QuantizationMethodSpec`` is re-exported here) and ``paged.core.model`` (model
+architectures; ``AttentionShape``, ``CausalLM`` and ``ModelClass`` are re-exported here).
+
+What a plugin's code may raise while the engine serves, and what the engine then does (the
+request ends with an error, or the engine stops), is in ``paged.core.engine.plugin_faults``. A model plugin builds
 its layers from ``paged.models.layers`` (tensor-parallel linears, embeddings, norms, rotary,
 attention) and loads its checkpoint with ``paged.core.loading.weights.load_checkpoint``;
 ``tests/fixtures/paged-gpt2-plugin`` is a complete example.
@@ -31,10 +34,11 @@ import pluggy
 from pydantic import BaseModel
 
 from paged.core.model import AttentionShape, CausalLM, ModelClass
+from paged.core.quantization import QuantizationMethodSpec
 
 __all__ = [
     "AttentionBackendSpec", "AttentionShape", "CausalLM", "ModelClass", "ModelSpec", "PagedHookSpecs",
-    "PolicySpec", "StructuredOutputBackendSpec", "hookimpl", "hookspec",
+    "PolicySpec", "QuantizationMethodSpec", "StructuredOutputBackendSpec", "hookimpl", "hookspec",
 ]
 
 PROJECT = "paged"
@@ -77,8 +81,9 @@ class ModelSpec:
     """A model architecture, keyed by the HF ``architectures`` name in config.json.
 
     ``factory`` meets ``ModelClass`` (see ``paged.core.model`` for the whole contract, in the
-    order the engine uses it): ``factory.attention_shape(hf_config) -> AttentionShape``,
-    optionally ``factory.check_config(hf_config)``, and ``factory(hf_config, backend, dtype,
+    order the engine uses it): ``factory.attention_shape(hf_config) -> AttentionShape`` (without
+    it, the shape is read off a Llama-like config), optionally ``factory.check_config(hf_config)``,
+    and ``factory(hf_config, backend, dtype,
     device) -> CausalLM`` with ``load_weights``, ``forward(input_ids, positions, kv_caches,
     attn_metadata)``, ``compute_logits`` (rank 0 returns the logits, other ranks None) and
     optionally ``prepack_weights``. ``paged.models.llama`` is the reference implementation.
@@ -126,6 +131,7 @@ class PagedHookSpecs:
         """Return the structured-output (grammar) backends this plugin provides."""
 
     @hookspec
-    def register_quantization_methods(self) -> list[Any]:
-        """Return the weight-only quantization methods this plugin provides
-        (``paged.core.quantization.QuantizationMethodSpec``), selected by ``model.quantization``."""
+    def register_quantization_methods(self) -> list[QuantizationMethodSpec]:
+        """Return the weight-only quantization methods this plugin provides, selected by
+        ``model.quantization`` (contract: ``paged.core.quantization``; ``QuantizationMethodSpec``
+        is re-exported here)."""

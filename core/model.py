@@ -6,7 +6,9 @@ on nothing else, and in this order:
 
 1. ``factory.check_config(hf_config)`` (optional): raise ``ConfigError`` for a config the
    implementation cannot run (or ``ModelLoadError``). Called when the model config is resolved, before any weight loads.
-2. ``factory.attention_shape(hf_config) -> AttentionShape``: the whole model's layers and heads.
+2. ``factory.attention_shape(hf_config) -> AttentionShape``: the whole model's layers and heads
+   (optional: without it the engine reads them off the HF config as Llama does, ``num_hidden_layers``,
+   ``num_attention_heads``, ``num_key_value_heads`` and ``head_dim`` or ``hidden_size // heads``).
    The engine splits the heads over the tensor-parallel ranks (``shard_heads``) and builds the
    KV cache and the attention backend for this rank's share *before* the model, since the model
    is built around the backend. KV layout: per layer one ``(key_cache, value_cache)`` pair of
@@ -83,10 +85,15 @@ def model_attention_shape(factory: Any, architecture: str, hf_config: Any) -> At
     the factory does not provide it or gives something unusable."""
     fn = getattr(factory, "attention_shape", None)
     if fn is None:
-        raise ConfigError(
-            f"model architecture {architecture!r}: its ModelSpec.factory ({factory!r}) has no "
-            "attention_shape(hf_config); see paged.core.model.ModelClass"
-        )
+        # The first contract (README at 402312c) had no attention_shape: the engine read the
+        # shape off the HF config, as Llama does. A factory written for it still works.
+        fn = _shape_from_hf_config
+        if not all(hasattr(hf_config, name) for name in ("num_hidden_layers", "num_attention_heads", "hidden_size")):
+            raise ConfigError(
+                f"model architecture {architecture!r}: its ModelSpec.factory ({factory!r}) has no "
+                "attention_shape(hf_config), and the config lacks num_hidden_layers / num_attention_heads / "
+                "hidden_size to derive it from; add attention_shape (see paged.core.model.ModelClass)"
+            )
     shape = AttentionShape(*(int(x) for x in fn(hf_config)))
     if min(shape) < 1 or shape.num_heads % shape.num_kv_heads:
         raise ConfigError(
@@ -94,3 +101,11 @@ def model_attention_shape(factory: Any, architecture: str, hf_config: Any) -> At
             "(every entry must be positive and num_heads a multiple of num_kv_heads)"
         )
     return shape
+
+
+def _shape_from_hf_config(hf_config: Any) -> AttentionShape:
+    """The shape a Llama-like HF config states (``head_dim`` when it has one)."""
+    num_heads = int(hf_config.num_attention_heads)
+    num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_heads)
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    return AttentionShape(int(hf_config.num_hidden_layers), num_heads, num_kv_heads, int(head_dim))

@@ -56,7 +56,14 @@ token lists the mechanism mutates or to the block table. Fields: ``request_id``,
 ``uses_prefix_hits = True``, refreshed before each dynamic re-key), ``arrival_time``,
 ``priority``, ``tenant``, ``deadline`` (absolute, scheduler clock; None = none), ``max_tokens``,
 ``is_running``, ``is_finished``, ``num_preemptions``, ``num_service_tokens`` (tokens computed for it so far,
-recomputation included) and ``service_s(now)`` (seconds it has spent running).
+recomputation included) and ``service_s(now)`` (seconds it has spent running). What the engine's
+``Request`` offered a policy under the first contract is there too, read-only:
+``sampling_params`` (a read-only view: fields only, lists as tuples), ``prompt_token_ids``,
+``output_token_ids`` and ``all_token_ids`` (tuples; the last two are copied at each read, so a
+policy keyed every step should use the counts instead), ``block_hashes`` (tuple), ``status``,
+``cache_salt``, ``eos_token_id``, ``first_scheduled_time``, ``first_token_time`` and
+``finished_time``. Anything else, and any assignment, raises an AttributeError that says what a
+policy can use instead (per-request state belongs in the policy, keyed by ``request_id``).
 
 Invariants a policy cannot break whatever it returns: the token budget, ``max_num_seqs``, block
 accounting, prefix-cache correctness, and liveness (a budget split gives prefill at least one
@@ -67,6 +74,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from operator import attrgetter
+from types import MappingProxyType
 from typing import TYPE_CHECKING, ClassVar, Hashable, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:  # the view wraps the engine's Request; the contract only names it
@@ -77,13 +85,59 @@ if TYPE_CHECKING:  # the view wraps the engine's Request; the contract only name
 MAX_DEFERRALS_PER_STEP = 32
 
 
+class ReadOnlyView:
+    """A read-only window on a plain object (a request's ``SamplingParams``): fields read
+    through, lists as tuples, dicts as mapping proxies, nested objects as views; nothing can be
+    set and no method can be called (a policy must not change what the request asked for)."""
+
+    __slots__ = ("_target", "_path")
+
+    def __init__(self, target: object, path: str) -> None:
+        object.__setattr__(self, "_target", target)
+        object.__setattr__(self, "_path", path)
+
+    def __getattr__(self, name: str):
+        value = getattr(self._target, name)  # AttributeError names the missing field
+        if value is None or isinstance(value, (bool, int, float, str, bytes, tuple, frozenset)):
+            return value
+        if isinstance(value, list):
+            return tuple(value)
+        if isinstance(value, dict):
+            return MappingProxyType(value)
+        if callable(value):
+            raise AttributeError(f"{self._path}.{name}: a policy sees the fields only (read-only view), not methods")
+        return ReadOnlyView(value, f"{self._path}.{name}")
+
+    def __setattr__(self, name: str, value) -> None:
+        raise AttributeError(f"{self._path}.{name}: read-only; a policy cannot change what a request asked for")
+
+    def __repr__(self) -> str:
+        return f"ReadOnlyView({self._target!r})"
+
+
+def _tuple_of(name: str):
+    return property(lambda self: tuple(getattr(self._request, name)))
+
+
+# Names a policy may reach for that are not offered, and what to use instead.
+_NOT_OFFERED = {
+    "block_ids": "the KV cache manager owns the blocks; use num_computed_tokens or prefix_hit_tokens",
+    "block_table": "the KV cache manager owns the blocks; use num_computed_tokens or prefix_hit_tokens",
+    "grammar": "the structured-output matcher is the engine's; use sampling_params.structured_output",
+    "append_output_token": "a policy cannot change a request; the scheduler appends tokens",
+}
+
+
 class RequestView:
     """A read-only window on a request for policies (one per request, made once)."""
 
-    __slots__ = ("_request",)
+    __slots__ = ("_request", "_prompt", "_params")
 
     def __init__(self, request: "Request") -> None:
-        self._request = request
+        setattr_ = object.__setattr__
+        setattr_(self, "_request", request)
+        setattr_(self, "_prompt", None)  # the prompt as a tuple, made on first read
+        setattr_(self, "_params", None)
 
     def __repr__(self) -> str:
         return f"RequestView({self._request.request_id!r})"
@@ -103,6 +157,28 @@ class RequestView:
     num_preemptions = property(attrgetter("_request.num_preemptions"))
     num_service_tokens = property(attrgetter("_request.num_service_tokens"))
     sort_key = property(attrgetter("_request.sort_key"))
+    # What the engine's Request offered a policy under the first contract (README at 402312c).
+    status = property(attrgetter("_request.status"))
+    cache_salt = property(attrgetter("_request.cache_salt"))
+    eos_token_id = property(attrgetter("_request.eos_token_id"))
+    first_scheduled_time = property(attrgetter("_request.first_scheduled_time"))
+    first_token_time = property(attrgetter("_request.first_token_time"))
+    finished_time = property(attrgetter("_request.finished_time"))
+    output_token_ids = _tuple_of("output_token_ids")
+    all_token_ids = _tuple_of("all_token_ids")
+    block_hashes = _tuple_of("block_hashes")
+
+    @property
+    def prompt_token_ids(self) -> tuple[int, ...]:
+        if self._prompt is None:  # the prompt never changes: one copy
+            object.__setattr__(self, "_prompt", tuple(self._request.prompt_token_ids))
+        return self._prompt
+
+    @property
+    def sampling_params(self) -> ReadOnlyView:
+        if self._params is None:
+            object.__setattr__(self, "_params", ReadOnlyView(self._request.sampling_params, "sampling_params"))
+        return self._params
 
     @property
     def is_finished(self) -> bool:
@@ -115,6 +191,23 @@ class RequestView:
     def service_s(self, now: float) -> float:
         r = self._request
         return r.running_s + (now - r.running_since if r.running_since is not None else 0.0)
+
+    def __getattr__(self, name: str):
+        # Only reached for names the view does not define.
+        if name.startswith("__"):
+            raise AttributeError(name)
+        hint = _NOT_OFFERED.get(name)
+        offered = ", ".join(sorted(n for n in dir(RequestView) if not n.startswith("_")))
+        raise AttributeError(
+            f"RequestView has no attribute {name!r}: a policy sees a read-only view of each request "
+            f"(paged.core.policy.RequestView). " + (f"Instead: {hint}. " if hint else "") + f"It offers: {offered}"
+        )
+
+    def __setattr__(self, name: str, value) -> None:
+        raise AttributeError(
+            f"RequestView.{name}: read-only; a policy cannot change a request. Keep per-request state in the "
+            f"policy, keyed by request.request_id (and drop it in on_step when the view is_finished)"
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,10 +13,12 @@ provides, through its ``StructuredOutputBackendSpec``:
   in the core on the first constrained request, off the step (in the compile thread pool).
 
 The backend compiles a constraint once (the core caches the result by ``params.cache_key()``)
-and makes a fresh ``GrammarMatcher`` per request from it. Per step, the sampler asks each
-constrained request's matcher to fill its row of an int32 bitmask (bit ``t % 32`` of word
-``t // 32`` set = token ``t`` allowed) and masks the whole batch in one op; the core then
-advances each matcher with the accepted token.
+and makes a fresh ``GrammarMatcher`` per request from it. (Before a request is queued, the
+front-end compiles a new constraint once in a worker process, within a time limit, and asks
+``check_compiled`` whether it can be used at all: paged.core.constraint_check.) Per step, the
+sampler asks each constrained request's matcher to fill its row of an int32 bitmask (bit
+``t % 32`` of word ``t // 32`` set = token ``t`` allowed) and masks the whole batch in one op;
+the core then advances each matcher with the accepted token.
 
 Invariant: a matcher has accepted exactly the request's ``output_token_ids`` (so preemption by
 recompute, which keeps the output tokens, keeps the matcher valid; ``reset`` + ``accept_token``
@@ -30,6 +32,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
 from typing import Any
 
+import numpy as np
 import torch
 
 from paged.core.errors import InvalidRequestError
@@ -56,6 +59,8 @@ class StructuredOutputParams:
                 self.json_schema = json.loads(self.json_schema)
             except json.JSONDecodeError as e:
                 raise InvalidRequestError(f"structured_output.json_schema: not valid JSON ({e})") from None
+            except RecursionError:
+                raise InvalidRequestError("structured_output.json_schema: nested too deeply to parse") from None
         self.validate()
 
     def validate(self) -> None:
@@ -146,6 +151,67 @@ class StructuredOutputBackend(ABC):
     def matcher(self, compiled: Any) -> GrammarMatcher:
         """A fresh matcher at the start of ``compiled``."""
 
+    def check_compiled(self, compiled: Any, vocab_size: int, stop_token_ids: list[int]) -> str | None:
+        """Why ``compiled`` cannot be used although it compiled (e.g. no output satisfies it), or
+        None when nothing was found. Bounded; the default is ``dead_end`` on a fresh matcher."""
+        return dead_end(self.matcher(compiled), vocab_size, stop_token_ids)
+
 
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
+
+
+def allowed_token_ids(bitmask_row: torch.Tensor, vocab_size: int) -> np.ndarray:
+    """The token ids whose bit is set in one int32 bitmask row."""
+    words = bitmask_row.numpy()
+    nonzero = np.flatnonzero(words)  # only these words are unpacked: cheap for a narrow mask
+    bits = np.unpackbits(words[nonzero].astype("<i4").view(np.uint8), bitorder="little").reshape(-1, 32)
+    ids = (nonzero[:, None] * 32 + np.arange(32))[bits.astype(bool)]
+    return ids[ids < vocab_size]
+
+
+def dead_end(matcher: GrammarMatcher, vocab_size: int, stop_token_ids: list[int], max_tokens: int = 64,
+             max_width: int = 64) -> str | None:
+    """Why no output satisfies ``matcher``'s grammar, proven by a search from its start, or None
+    (an output was found, or the search could not tell). The search follows every allowed token
+    while at most ``max_width`` are allowed and gives up on a wider state or after ``max_tokens``
+    tokens in all: it proves emptiness only where the grammar dies within a narrow stretch
+    (``[^\\s\\S]``, ``root ::= root``, a required property whose pattern matches nothing). The
+    matcher is left somewhere in its grammar: use a fresh one."""
+    bitmask = torch.zeros(1, bitmask_words(vocab_size), dtype=torch.int32)
+    stops = set(stop_token_ids)
+    budget = max_tokens
+
+    def search() -> bool | None:  # True: an output ends here or later; False: none does; None: unknown
+        nonlocal budget
+        bitmask.zero_()
+        matcher.fill_bitmask(bitmask, 0)
+        allowed = allowed_token_ids(bitmask[0], vocab_size)
+        if len(allowed) > max_width + len(stops):
+            return None
+        allowed = allowed.tolist()
+        if any(t in stops and matcher.accept_token(t) for t in allowed):
+            return True
+        tokens = [t for t in allowed if t not in stops]
+        if len(tokens) > max_width:
+            return None
+        result: bool | None = False
+        for t in tokens:
+            if budget == 0:
+                return None
+            budget -= 1
+            if not matcher.accept_token(t):
+                continue
+            found = search()
+            matcher.rollback(1)
+            if found:
+                return True
+            if found is None:
+                result = None
+        return result
+
+    if search() is False:
+        if budget == max_tokens:
+            return "no output satisfies it (no token can start it)"
+        return f"no output satisfies it (every continuation comes to a dead end; searched {max_tokens - budget} tokens)"
+    return None

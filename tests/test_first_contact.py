@@ -100,6 +100,49 @@ def test_misspelled_flag_suggests_the_right_one(capsys):
     assert rc == 2 and "did you mean --max-num-seqs?" in err
 
 
+def test_abbreviated_flags_are_errors_that_suggest_the_whole_flag(capsys):
+    """argparse would take --max-token as --max-tokens (issue 23 item 8): a typo, or a flag added
+    later, would then pick another flag without a word."""
+    rc, _, err = _main(["run", "--max-token", "8", "hello"], capsys)
+    assert rc == 2
+    assert "paged run: error: unrecognized arguments: --max-token (did you mean --max-tokens?)" in err
+    rc, _, err = _main(["run", "hello", "--max-token=8"], capsys)
+    assert rc == 2 and "--max-token=8 (did you mean --max-tokens?)" in err
+    rc, _, err = _main(["config", "--max-num-seq", "3"], capsys)
+    assert rc == 2 and "paged config: error: unrecognized arguments: --max-num-seq (did you mean --max-num-seqs?)" in err
+    rc, _, err = _main(["lab", "gen", "--out", "t.jsonl", "--num-request", "5"], capsys)
+    assert rc == 2 and "paged lab gen: error: unrecognized arguments: --num-request (did you mean --num-requests?)" in err
+
+    import argparse
+
+    from paged.core.cli.main import build_parser
+
+    def parsers(parser, name):
+        yield name, parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, child in action.choices.items():
+                    yield from parsers(child, f"{name} {sub}")
+
+    found = dict(parsers(build_parser(), "paged"))
+    assert {"paged run", "paged serve", "paged bench", "paged config", "paged lab replay"} <= set(found)
+    assert [name for name, p in found.items() if p.allow_abbrev] == []
+
+
+def test_paged_bench_serve_finds_its_script_or_says_where_it_looked(capsys, tmp_path):
+    from paged.core.cli.main import benchmark_script
+    from paged.core.errors import PagedError
+
+    rc, out, _ = _main(["bench", "serve", "--help"], capsys)  # the benchmark's own help
+    assert rc == 0 and "usage: paged bench serve" in out and "--max-concurrency" in out
+    assert benchmark_script("serve") == TESTS_DIR.parent / "benchmarks" / "serve.py"
+    with pytest.raises(PagedError) as e:  # an install without the checkout's benchmarks/
+        benchmark_script("serve", root=tmp_path)
+    message = str(e.value)
+    assert f"paged bench serve: {tmp_path / 'benchmarks' / 'serve.py'} does not exist" in message
+    assert "source checkout" in message and "pip install -e ." in message
+
+
 def test_misspelled_config_key_and_env_var_suggest_the_right_one(tmp_path, monkeypatch, caplog):
     from paged.core.config import check_environment, load_config
     from paged.core.errors import ConfigError

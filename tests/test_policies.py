@@ -72,7 +72,16 @@ def test_a_policy_sees_read_only_views():
     for name in ("num_computed_tokens", "arrival_time", "sort_key", "tenant"):
         with pytest.raises(AttributeError):
             setattr(view, name, 0)
-    assert not hasattr(view, "prompt_token_ids") and not hasattr(view, "all_token_ids")
+    # The token lists the mechanism mutates are offered as tuples (what the first contract's
+    # Request offered, read-only), and the sampling parameters as a read-only view.
+    assert isinstance(view.prompt_token_ids, tuple) and view.all_token_ids == view.prompt_token_ids
+    assert view.sampling_params.max_tokens == 4 and view.sampling_params.greedy is False
+    with pytest.raises(AttributeError, match="sampling_params.max_tokens: read-only"):
+        view.sampling_params.max_tokens = 1
+    with pytest.raises(AttributeError, match="sampling_params.copy: a policy sees the fields only"):
+        view.sampling_params.copy()
+    with pytest.raises(AttributeError, match="no attribute 'block_table'.*KV cache manager owns the blocks"):
+        view.block_table
 
 
 def test_dynamic_order_is_recomputed_each_step():

@@ -12,11 +12,15 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 PUBLIC = {
     "paged": ["LLM", "SamplingParams"],
     "paged.core.hookspecs": ["hookimpl", "hookspec", "PolicySpec", "AttentionBackendSpec", "ModelSpec",
-                             "AttentionShape", "CausalLM", "ModelClass"],
+                             "QuantizationMethodSpec", "StructuredOutputBackendSpec", "AttentionShape", "CausalLM",
+                             "ModelClass"],
+    "paged.core.quantization": ["QuantizationMethodSpec", "QuantizedWeight", "BlockScales"],
+    "paged.core.structured_output": ["StructuredOutputParams", "StructuredOutputBackend", "GrammarMatcher"],
     "paged.core.policy": ["BasePolicy"],
     "paged.core.attention": ["AttentionBackend", "AttentionLayout", "BatchInputs"],
     "paged.core.model": ["AttentionShape", "CausalLM", "ModelClass"],
-    "paged.core.errors": ["PagedError", "ConfigError", "PluginError", "InvalidRequestError", "ModelLoadError"],
+    "paged.core.errors": ["PagedError", "ConfigError", "PluginError", "InvalidRequestError", "ModelLoadError",
+                          "EngineError", "RequestRejectedError"],
     "paged.core.loading.weights": ["CheckpointSlice", "whole_parameters", "expected_tensors", "load_checkpoint"],
     "paged.models.layers": ["CheckpointSlice", "whole_parameters", "Linear", "RowParallelLinear",
                             "MergedColumnParallelLinear", "VocabParallelEmbedding", "ParallelLMHead", "RMSNorm",
@@ -55,8 +59,12 @@ def test_a_model_factory_without_attention_shape_is_a_config_error_naming_it():
     class NoShape:
         pass
 
-    with pytest.raises(ConfigError, match="'MyArch'.*attention_shape"):
+    with pytest.raises(ConfigError, match="'MyArch'.*attention_shape.*num_hidden_layers"):
         model_attention_shape(NoShape, "MyArch", object())
+    # the first contract's factories had none: the shape comes from a Llama-like config
+    from transformers import LlamaConfig as _Config
+    assert model_attention_shape(NoShape, "MyArch", _Config(
+        hidden_size=96, num_attention_heads=6, num_key_value_heads=2, num_hidden_layers=5)) == (5, 6, 2, 16)
 
     class BadShape:
         @staticmethod
@@ -71,3 +79,16 @@ def test_a_model_factory_without_attention_shape_is_a_config_error_naming_it():
     shape = model_attention_shape(LlamaForCausalLM, "LlamaForCausalLM", LlamaConfig(
         hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3))
     assert shape == (3, 4, 2, 16) and shape.head_dim == 16
+
+
+def test_every_hook_has_a_typed_spec_re_exported_from_hookspecs():
+    import typing
+
+    from paged.core import hookspecs
+
+    for name in ("register_policies", "register_attention_backends", "register_models",
+                 "register_quantization_methods", "register_structured_output_backends"):
+        hook = getattr(hookspecs.PagedHookSpecs, name)
+        returned = typing.get_type_hints(hook, vars(hookspecs))["return"]
+        (spec,) = typing.get_args(returned)
+        assert getattr(hookspecs, spec.__name__) is spec and spec.__name__ in hookspecs.__all__, name

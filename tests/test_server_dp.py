@@ -1,7 +1,8 @@
 """`paged serve --data-parallel-size 2` end to end: two engine-core processes behind one front-end,
 a real server subprocess on a loopback port (helpers from test_server). Outputs equal one core's,
 both cores serve, a shared prefix follows its core, aborts and stops reach the core that holds
-the request, one dead core is a dead engine, and shutdown stops every core. Plus the offline
+the request, one dead core is a dead engine (restarted whole with server.on_engine_death =
+restart), and shutdown stops every core. Plus the offline
 engine's refusal of data parallelism."""
 
 import asyncio
@@ -205,11 +206,16 @@ def test_aborts_and_stops_reach_the_right_core(dp_server, one_core):
     assert dp_server.metrics()[tokens] - start < 400
 
 
-def test_one_dead_core_kills_the_engine(default_model_dir, tmp_path):
+def test_one_dead_core_kills_the_engine_then_both_restart(default_model_dir, tmp_path):
+    """With server.on_engine_death = restart: one dead core fails every open request and stops the
+    other core; both are started again; a second death within restart_backoff_max_s is one restart
+    more than max_restarts = 1 allows, so the server exits with code 1."""
     from openai import APIError, APIStatusError, OpenAI
 
     port = _free_port()
-    with serve(["--model", default_model_dir, *_core_args(port)], tmp_path, port) as s:
+    args = [*_core_args(port), "--on-engine-death", "restart", "--max-restarts", "1", "--restart-backoff-s", "0.5",
+            "--restart-backoff-max-s", "600"]
+    with serve(["--model", default_model_dir, *args], tmp_path, port) as s:
         pids = s.debug()["core_pids"]
         client = OpenAI(base_url=s.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
         streams = [client.completions.create(model=MODEL, prompt=p, max_tokens=300, temperature=0, stream=True,
@@ -229,9 +235,21 @@ def test_one_dead_core_kills_the_engine(default_model_dir, tmp_path):
         assert e.value.status_code == 503
         r = s.get("/health")
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+        assert "data-parallel rank 1" in r.json()["error"]["message"]
         assert s.metrics()["paged:engine_core_alive"] == 0
         # The survivor is stopped at once (its requests have failed; nobody waits for them).
         _wait_for(lambda: not _alive(pids[0]), 10, "the surviving core to be stopped")
-        assert s.get("/health").status_code == 503 and s.debug()["alive"] is False
-        s.proc.send_signal(signal.SIGTERM)
-        assert s.proc.wait(60) == 0, s.log_tail()
+
+        _wait_for(lambda: s.get("/health").status_code == 200, 600, "/health to return 200 after the restart")
+        new_pids = s.debug()["core_pids"]
+        assert len(set(new_pids)) == DP and not set(new_pids) & set(pids)
+        outs = [client.completions.create(model=MODEL, prompt=p, max_tokens=4, temperature=0,
+                                          extra_body={"ignore_eos": True}) for p in PROMPTS[:2]]
+        assert [o.usage.completion_tokens for o in outs] == [4, 4]
+        _wait_for(lambda: _all_blocks_back(s), 30, "every KV block free on both new cores")
+
+        os.kill(new_pids[0], signal.SIGKILL)
+        assert s.proc.wait(60) == 1, s.log_tail()
+        _wait_for(lambda: not any(_alive(pid) for pid in new_pids), 10, "every engine core to exit")
+        log = s.log.read_text()
+        assert "engine restarted" in log and "giving up after 1 restart(s) in a row" in log, log[-3000:]

@@ -257,3 +257,63 @@ def test_bad_constraints_and_tools_are_400s_naming_the_field(server, client):
     with pytest.raises(openai.BadRequestError):
         chat(client, "x", max_tokens=4, extra_body={"guided_regex": "[unclosed"})
     assert chat(client, "Say hi", max_tokens=3).choices[0].message.content is not None  # still serving
+
+
+def _nested_arrays(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def test_constraints_no_output_satisfies_or_the_backend_would_ignore_are_400s(server, client):
+    """Each used to be a 200: text that breaks the constraint (finish_reason "abort"), or
+    unconstrained text where xgrammar dropped the keyword."""
+    chat_ = ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
+    completion = ("/v1/completions", {"prompt": "x"})
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "not": {"const": "b"}}}, "required": ["a"]}}}
+    cases = [
+        (completion, {"structured_outputs": {"regex": r"[^\s\S]"}}, "structured_outputs", "no output satisfies it"),
+        (completion, {"guided_grammar": "root ::= root"}, "guided_grammar", "no output satisfies it"),
+        (chat_, {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"not": {}}}}},
+         "response_format", "'not' is not supported"),
+        (completion, {"guided_json": {"$ref": "http://127.0.0.1:1/x.json"}}, "guided_json", "only local references"),
+        (chat_, {"structured_outputs": {"json": {"enum": []}}}, "structured_outputs", "enum"),
+        (chat_, {"guided_json": {"type": "object", "properties": {"a": {"type": "string", "pattern": r"[^\s\S]"}},
+                                 "required": ["a"]}, "stream": True}, "guided_json", "comes to a dead end"),
+        (completion, {"guided_regex": "a^b"}, "guided_regex", "would ignore part of it"),
+        (chat_, {"tools": [tool], "tool_choice": "required"}, "tools", "'not' is not supported"),
+    ]
+    for (path, base), extra, field, needle in cases:
+        r = server.post(path, {"model": MODEL, "max_tokens": 4, **base, **extra}, timeout=60)
+        assert r.status_code == 400, (extra, r.text)
+        error = r.json()["error"]
+        assert error["param"] == field and error["message"].startswith(f"{field}: "), error
+        assert needle in error["message"], error
+    r = server.post("/v1/completions", {"model": MODEL, "prompt": "Digits:", "max_tokens": 4,
+                                        "structured_outputs": {"regex": "[0-9]{3}"}})
+    assert r.status_code == 200 and re.fullmatch("[0-9]{3}", r.json()["choices"][0]["text"]), r.text
+
+
+def test_a_deeply_nested_schema_is_refused_at_once_while_health_answers(server, client):
+    """400 arrays deep (a 10 KB body) took 34 s on the event loop, /health stalled 12-29 s."""
+    from test_server_hardening import HEALTH_S, watch_health
+
+    with watch_health(server) as latencies:
+        for depth, path, extra in [
+            (400, "/v1/chat/completions", lambda s: {"messages": [{"role": "user", "content": "x"}],
+                                                     "response_format": {"type": "json_schema",
+                                                                         "json_schema": {"name": "deep", "schema": s}}}),
+            (900, "/v1/completions", lambda s: {"prompt": "x", "guided_json": s}),
+            (65, "/v1/completions", lambda s: {"prompt": "x", "structured_outputs": {"json": json.dumps(s)}}),
+        ]:
+            r = server.post(path, {"model": MODEL, "max_tokens": 4, **extra(_nested_arrays(depth))}, timeout=10)
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] in ("response_format", "guided_json", "structured_outputs"), error
+            assert "nested deeper than 64 objects and arrays (structured_output.max_schema_depth)" in error["message"]
+        r = server.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2,
+                                            "guided_json": _nested_arrays(63)}, timeout=60)  # the limit: served
+        assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("["), r.text
+    assert max(latencies) < HEALTH_S, sorted(latencies)[-5:]

@@ -8,7 +8,7 @@ import pytest
 from paged.core.frontend.outputs import CompletionOutput
 from paged.core.frontend.tools import HermesToolParser
 from paged.core.server.errors import APIError
-from paged.core.server.protocol import ChatCompletionRequest
+from paged.core.server.protocol import ChatCompletionRequest, ChatMessage
 from paged.core.server.structured import structured_output_of
 from paged.core.server.tool_calls import ToolCallShaper
 
@@ -80,3 +80,63 @@ def test_named_required_and_auto_messages_and_deltas():
     assert msg == {"role": "assistant", "content": "Hi"} and reason == "stop"
     msg, reason = ToolCallShaper("named", "f", HermesToolParser).message(CompletionOutput(0, text='{"x": ', finish_reason="length"))
     assert "tool_calls" not in msg and reason == "length"
+
+
+def _tool(parameters=...):
+    function = {"name": "f"} if parameters is ... else {"name": "f", "parameters": parameters}
+    return {"type": "function", "function": function}
+
+
+@pytest.mark.parametrize("parameters", ['{"type": "object"}', {"type": "string"}, {"properties": {"a": {}}}, [], 3])
+def test_tool_parameters_must_be_an_object_schema(parameters):
+    from paged.core.errors import InvalidRequestError
+    from paged.core.frontend.tools import check_tools
+    from paged.core.server.errors import from_exception
+
+    with pytest.raises(InvalidRequestError) as e:
+        check_tools([_tool({"type": "object"}), {"type": "function", "function": {"name": "g", "parameters": parameters}}])
+    error = from_exception(e.value)
+    assert error.status == 400 and error.param == "tools[1].function.parameters", error.message
+    assert "type 'object'" in error.message and repr(parameters)[:20] in error.message
+
+
+@pytest.mark.parametrize("parameters", [..., {}, {"type": "object"}, {"type": "object", "properties": {"a": {"type": "integer"}}}])
+def test_tool_parameters_object_schemas_are_accepted(parameters):
+    from paged.core.frontend.tools import check_tools
+
+    assert check_tools([_tool(parameters)])
+
+
+def test_tool_message_needs_tool_call_id():
+    from paged.core.server.chat import chat_messages
+
+    messages = [ChatMessage(role="user", content="Weather?"), ChatMessage(role="tool", content="sunny")]
+    with pytest.raises(APIError) as e:
+        chat_messages(messages)
+    assert e.value.status == 400 and e.value.param == "messages[1].tool_call_id"
+    assert "role 'tool'" in e.value.message
+    messages[1] = ChatMessage(role="tool", content="sunny", tool_call_id="call_1")
+    assert chat_messages(messages)[1] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+
+
+def test_tenant_header_is_checked_under_its_own_name():
+    from paged.core.server.protocol import tenant_header
+
+    assert tenant_header("team-a") == "team-a" and tenant_header(None) is None
+    with pytest.raises(APIError) as e:
+        tenant_header("t" * 300)
+    assert e.value.status == 400 and e.value.param == "X-Paged-Tenant"
+    assert e.value.message.startswith("X-Paged-Tenant:") and "300" in e.value.message and "256" in e.value.message
+    assert "user" not in e.value.message
+
+
+@pytest.mark.parametrize("parameters", [..., {}])
+def test_a_tool_without_parameters_is_called_with_no_arguments(parameters):
+    import jsonschema
+
+    from paged.core.frontend.tools import tool_constraint
+
+    named = tool_constraint("named", "f", [_tool(parameters)], parallel=True).json_schema
+    jsonschema.validate({}, named)
+    with pytest.raises(jsonschema.ValidationError):  # it used to allow any object, which a small model rambles on in
+        jsonschema.validate({"type": "object"}, named)

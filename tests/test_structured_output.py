@@ -219,15 +219,18 @@ def test_compile_failure_in_the_core_ends_only_that_request(tiny_model):
     llm = make_llm(tiny_model)
     try:
         core = llm.engine.core
-        # Bypass the front-end's check: the core's compile fails, the request ends with "abort".
+        # Bypass the front-end's check: the core's compile fails, the request ends with "error"
+        # and a message naming the backend.
         core.add_request(Request("bad", [1, 2, 3], SamplingParams(structured_output={"regex": "(x"})))
         core.add_request(Request("good", [1, 2, 3], SamplingParams(temperature=0, max_tokens=3)))
-        finished = {}
+        finished, errors = {}, {}
         while core.has_unfinished_requests():
             for out in core.step():
                 if out.finish_reason:
-                    finished[out.request_id] = out.finish_reason
-        assert finished == {"bad": "abort", "good": "length"}
+                    finished[out.request_id], errors[out.request_id] = out.finish_reason, out.error
+        assert finished == {"bad": "error", "good": "length"}
+        assert errors["bad"].startswith("structured-output backend 'xgrammar' (plugin 'structured_output') raised in "
+                                        "compile: ValueError: structured_output.regex: xgrammar cannot compile it")
     finally:
         llm.shutdown()
 
@@ -270,3 +273,154 @@ def test_paged_run_structured_flags(tiny_model, tmp_path, capsys):
     assert "structured_output.regex" in capsys.readouterr().err
     assert main(common + ["--regex", "a", "--choice", "b", "Hi"]) == 2
     assert "at most one of" in capsys.readouterr().err
+
+
+# --- the front-end's check before queueing (paged.core.constraint_check) -------------------------
+def nested_arrays(depth: int) -> dict:
+    """``depth`` arrays around an integer: depth + 1 objects nested in one another."""
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def optional_properties(n: int) -> dict:
+    """A schema xgrammar takes long to compile: ~0.3 s at n=400, ~1.5 s at 800, ~15 s at 1500 (42 KB)."""
+    return {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(n)}}
+
+
+def test_bounds_refuse_deep_and_large_constraints_without_walking_them():
+    import time
+
+    from paged.core.config import load_config
+    from paged.core.constraint_check import check_bounds
+    from paged.core.frontend.processor import structured_output_validator
+
+    deep = [SO(json_schema=nested_arrays(depth)) for depth in (64, 400, 5000)]
+    large = [SO(json_schema=optional_properties(100_000)),  # ~2.7 MB as JSON
+             SO(regex="a" * 65537), SO(grammar='root ::= "' + "é" * 32767 + '"'), SO(choice=["x" * 999] * 66)]
+    start = time.perf_counter()
+    check_bounds(SO(json_schema=nested_arrays(63)), 64, 65536)  # 64 objects deep: the limit
+    for params in deep:
+        with pytest.raises(InvalidRequestError, match=r"^structured_output\.json_schema: nested deeper than 64 "
+                                                      r"objects and arrays \(structured_output\.max_schema_depth\)"):
+            check_bounds(params, 64, 65536)
+    too_big = r"larger than 65536 bytes \(structured_output\.max_constraint_bytes\)"
+    for params in large:
+        with pytest.raises(InvalidRequestError, match=rf"^structured_output\.{params.kind}: {too_big}"):
+            check_bounds(params, 64, 65536)
+    assert time.perf_counter() - start < 0.25  # the 2.7 MB schema is walked only up to the limit
+    check_bounds(SO(json_schema=optional_properties(1500)), 64, 65536)  # ~40 KB: under it
+    small = structured_output_validator(load_config(overrides={"structured_output": {"max_schema_depth": 4,
+                                                                                     "max_constraint_bytes": 100}}))
+    with pytest.raises(InvalidRequestError, match="nested deeper than 4"):
+        small(SO(json_schema=nested_arrays(4)))
+    with pytest.raises(InvalidRequestError, match="larger than 100 bytes"):
+        small(SO(regex="[a-z]" * 21))
+
+
+IGNORED_BY_XGRAMMAR = [  # (schema, the keyword its error names): xgrammar 0.2 drops each without an error
+    ({"not": {}}, "not"), ({"type": "string", "not": {"const": "a"}}, "not"),
+    ({"$ref": "http://127.0.0.1:1/x.json"}, "$ref"), ({"$ref": "other.json#/a"}, "$ref"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "if": {"required": ["a"]},
+      "then": {"required": ["b"]}}, "if"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "dependentRequired": {"a": ["b"]}},
+     "dependentRequired"),
+    ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 3}}, "contains"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+    ({"type": "object", "properties": {"a": {"$dynamicRef": "#m"}}}, "$dynamicRef"),
+]
+# ... and these llguidance enforces (it intersects siblings, knows multipleOf on numbers)
+IGNORED_BY_XGRAMMAR_ONLY = [
+    ({"type": "number", "multipleOf": 0.5}, "multipleOf"),
+    ({"allOf": [{"type": "string"}, {"maxLength": 2}]}, "allOf"),
+    ({"$defs": {"a": {"type": "string"}}, "$ref": "#/$defs/a", "maxLength": 1}, "maxLength"),
+    ({"type": "string", "enum": ["a", 1]}, "type"),
+    ({"type": "object", "properties": {"a": {"maxLength": 3}}}, "maxLength"),
+]
+
+
+def test_schema_keywords_xgrammar_would_ignore_are_refused_and_pydantic_schemas_are_not():
+    from enum import Enum
+    from typing import Literal, Optional
+
+    from pydantic import BaseModel, Field
+
+    from paged.core.registry import get_registry
+
+    xgrammar, llguidance = (get_registry().structured_output_backend(b) for b in BACKENDS)
+    for schema, keyword in IGNORED_BY_XGRAMMAR + IGNORED_BY_XGRAMMAR_ONLY:
+        with pytest.raises(ValueError, match=r"^structured_output\.json_schema: xgrammar cannot use it: ") as info:
+            xgrammar.validate(SO(json_schema=schema), None)
+        assert repr(keyword) in str(info.value), (schema, str(info.value))
+    for schema, _ in IGNORED_BY_XGRAMMAR:  # llguidance refuses these itself ...
+        with pytest.raises(ValueError, match=r"^structured_output\.json_schema: llguidance cannot use it: "):
+            llguidance.validate(SO(json_schema=schema), None)
+    for schema, _ in IGNORED_BY_XGRAMMAR_ONLY:  # ... and enforces these
+        llguidance.validate(SO(json_schema=schema), None)
+
+    class Color(str, Enum):
+        red = "red"
+        blue = "blue"
+
+    class Inner(BaseModel):
+        n: int = Field(ge=0, le=9, multiple_of=3)
+        tags: list[str] = Field(max_length=3)
+
+    class Model(BaseModel):
+        name: str = Field(max_length=20, description="who")
+        color: Color
+        kind: Literal["a", "b"]
+        inner: Optional[Inner] = None
+        items: list[Inner]
+        counts: dict[str, int]
+
+    for spec in (xgrammar, llguidance):
+        spec.validate(SO(json_schema=Model.model_json_schema()), None)
+
+
+def test_offline_generate_refuses_what_no_output_satisfies_before_it_runs(llm):
+    backend = llm.engine.config.structured_output.backend
+    dead_property = {"type": "object", "properties": {"a": {"type": "string", "pattern": r"[^\s\S]"}},
+                     "required": ["a"]}
+    cases = [({"regex": r"[^\s\S]"}, "regex", "no output satisfies it (no token can start it)"),
+             ({"grammar": "root ::= root"}, "grammar", "no output satisfies it (no token can start it)"),
+             ({"json_schema": dead_property}, "json_schema",  # llguidance finds it itself
+              "comes to a dead end" if backend == "xgrammar" else "required property 'a' is unsatisfiable"),
+             ({"json_schema": {"not": {}}}, "json_schema", "not"), ({"json_schema": {"enum": []}}, "json_schema", ""),
+             ({"json_schema": nested_arrays(400)}, "json_schema", "max_schema_depth")]
+    for constraint, field, needle in cases:
+        with pytest.raises(InvalidRequestError, match=rf"^structured_output\.{field}: .*{re.escape(needle)}"):
+            llm.generate(["Hi", "x"], SamplingParams(max_tokens=4, structured_output=constraint), use_tqdm=False)
+        assert not llm.engine.has_unfinished_requests()
+    out = llm.generate(["Pick:"], SamplingParams(max_tokens=5, structured_output={"choice": ["a1", "b2"]}),
+                       use_tqdm=False)
+    assert out[0].outputs[0].text in ("a1", "b2")
+
+
+def test_a_compile_past_the_time_limit_is_refused_and_its_worker_killed(default_model_dir):
+    """xgrammar compiles 1500 optional properties in ~15 s: past a 1 s limit the worker is killed
+    (a thread could not be stopped) and the verdict is remembered."""
+    import time
+    from types import SimpleNamespace
+
+    from paged.core.config import load_config
+    from paged.core.constraint_check import _checker_for
+    from paged.core.frontend.processor import structured_output_validator
+
+    config = load_config(overrides={"structured_output": {"constraint_check_timeout_s": 1.0}})
+    info = SimpleNamespace(tokenizer_dir=default_model_dir, model_dir=default_model_dir, vocab_size=49152,
+                           eos_token_ids=[2])
+    validator = structured_output_validator(config)
+    validator.check(SO(json_schema=SCHEMA), info)  # starts the worker
+    worker = _checker_for(config, info)._idle[0]
+    start = time.monotonic()
+    with pytest.raises(InvalidRequestError, match=r"^structured_output\.json_schema: not compiled within 1 s "
+                                                  r"\(structured_output\.constraint_check_timeout_s\)"):
+        validator.check(SO(json_schema=optional_properties(1500)), info)
+    assert 1.0 <= time.monotonic() - start < 3.0
+    assert worker.proc.poll() is not None  # killed
+    start = time.monotonic()
+    with pytest.raises(InvalidRequestError, match="not compiled within"):
+        validator.check(SO(json_schema=optional_properties(1500)), info)
+    assert time.monotonic() - start < 0.05  # remembered

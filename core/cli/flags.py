@@ -24,7 +24,14 @@ SP = "sp:"
 
 class Parser(argparse.ArgumentParser):
     """An unknown option is reported by the (sub)command that got it, with the closest known
-    flag: ``paged run --polcy fcfs`` -> "unrecognized argument --polcy (did you mean --policy?)"."""
+    flag: ``paged run --polcy fcfs`` -> "unrecognized argument --polcy (did you mean --policy?)".
+
+    Abbreviations are off (``--max-token`` is not ``--max-tokens``): with them a typo, or a flag
+    added later, silently picks another flag. Subparsers are made with this class, so they
+    inherit it."""
+
+    def __init__(self, *args, allow_abbrev: bool = False, **kwargs):
+        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
 
     def parse_args(self, args=None, namespace=None):
         namespace, extras = self.parse_known_args(args, namespace)

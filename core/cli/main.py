@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 from paged.core.cli.flags import (
@@ -280,14 +281,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 # --- paged bench -----------------------------------------------------------------------------
+def benchmark_script(name: str, root: Path | None = None) -> Path:
+    """``benchmarks/NAME.py`` of a source checkout: the ``paged`` package's own directory (the
+    repository root, in an editable install). An install from a wheel has no benchmarks."""
+    import paged
+
+    root = Path(paged.__file__).resolve().parent if root is None else root
+    script = root / "benchmarks" / f"{name}.py"
+    if not script.is_file():
+        raise PagedError(
+            f"paged bench {name}: {script} does not exist; the benchmarks are part of a source checkout, "
+            "not of the installed package: clone the repository and `pip install -e .` there (or run "
+            f"`python benchmarks/{name}.py` in a checkout)"
+        )
+    return script
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import runpy
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / f"{args.bench}.py"
-    if not script.is_file():
-        raise PagedError(f"paged bench {args.bench}: {script} not found (benchmarks ship with a source checkout)")
-    module = runpy.run_path(str(script), run_name="paged_bench")
+    module = runpy.run_path(str(benchmark_script(args.bench)), run_name="paged_bench")
     return module["main"](args.bench_args) or 0
 
 

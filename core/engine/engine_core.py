@@ -4,6 +4,11 @@
 ``EngineCoreOutput`` per request that got a token (or finished). Tokenization, detokenization,
 stop strings and n > 1 fan-out belong to the front-end (paged.core.frontend.processor), so the same core
 runs in-process (``LLMEngine``) or in its own process behind ZeroMQ.
+
+Plugin failures are contained here (``paged.core.engine.plugin_faults`` says which are per
+request and which stop the engine): a request a plugin failed on ends with finish reason
+"error" and the message; a fatal failure raises ``EngineError`` from ``step`` and every later
+call raises it again (the engine has stopped).
 """
 
 from __future__ import annotations
@@ -13,13 +18,14 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from paged.core.config import EngineConfig, resolve_plugins, resolve_structured_output
+from paged.core.config import EngineConfig, check_quantization, resolve_plugins, resolve_structured_output
 from paged.core.engine.grammar import StructuredOutputManager
 from paged.core.engine.kv_cache_manager import KVCacheManager
 from paged.core.engine.outputs import EngineCoreOutput
 from paged.core.engine.request import Request, RequestStatus
 from paged.core.engine.scheduler import Scheduler, SchedulerOutput
-from paged.core.errors import InvalidRequestError, RequestRejectedError
+from paged.core.engine.plugin_faults import PluginCode, describe, log_fault, plugin_code
+from paged.core.errors import EngineError, InvalidRequestError, RequestRejectedError
 from paged.core.loading.model_config import resolve_model
 
 logger = logging.getLogger("paged")
@@ -60,6 +66,9 @@ class EngineCore:
         registry = registry or get_registry()
         self.device = resolve_device(config.device)
         self.plugins = resolve_plugins(config, registry, self.device.type)
+        # Every plugin's options are checked before any weight loads.
+        check_quantization(config, registry)
+        structured_output = resolve_structured_output(config, registry)
         # The model's settings are settled (and checked) before any rank starts or loads weights.
         self.model_config = resolve_model(config, registry, self.device)
         configure_cpu_threads(config, self.device)
@@ -97,22 +106,60 @@ class EngineCore:
             block_size=config.cache.block_size,
             tokenizer_dir=str(self.model_config.tokenizer_dir),
         )
-        spec, options = resolve_structured_output(config, registry)
+        spec, options = structured_output
         self.structured_output = StructuredOutputManager(
             spec, options, self.model_info.tokenizer_dir or self.model_info.model_dir, self.model_config.vocab_size,
             self.model_info.eos_token_ids, max_workers=config.structured_output.compile_workers,
         )
+        self.plugin_code = self._plugin_code(registry)
+        self.scheduler.policy_code = self.plugin_code[0]
+        self.scheduler.grammar_code = self.structured_output.code = self.plugin_code[-1]
+        if self.runner.sampler is not None:
+            self.runner.sampler.grammar_code = self.plugin_code[-1]
+        self.dead: str | None = None  # set when a fatal failure stopped the engine
         # Constrained requests whose matcher is being built: outside the scheduler until ready.
         self.compiling: dict[str, tuple[Request, Future]] = {}
-        self._grammars_admitted = False  # until a constrained request runs, steps skip the matcher pass
         self.stats = CoreStats()
         # Called with each step's SchedulerOutput right after scheduling, before the model runs
         # (the policy lab records steps this way); empty in serving.
         self.schedule_observers: list[Callable[[SchedulerOutput], None]] = []
 
+    def _plugin_code(self, registry) -> list[PluginCode]:
+        """The selected plugins' code, to name them in failures: policy first, grammar last."""
+        owner = registry.owner.get
+        plugins, model = self.plugins, self.model_config
+        found = [
+            plugin_code("policy", plugins.policy.name, owner(("policies", plugins.policy.name)), self.scheduler.policy),
+            plugin_code("attention backend", plugins.attention.name, owner(("attention_backends", plugins.attention.name)),
+                        plugins.attention.factory, self.runner.backend),
+            plugin_code("model", model.architecture, owner(("models", model.architecture)), model.spec.factory,
+                        self.runner.model),
+        ]
+        quantizer = getattr(self.runner, "quantizer", None)
+        for name, (spec, _) in (quantizer.methods.items() if quantizer is not None else ()):
+            found.append(plugin_code("quantization method", name, owner(("quantization_methods", name)), spec.quantize))
+        spec = self.structured_output.spec
+        found.append(plugin_code("structured-output backend", spec.name, owner(("structured_output_backends", spec.name)),
+                                 spec.factory, spec.validate))
+        return found
+
+    def _stop(self, error: Exception, during: str) -> EngineError:
+        """A fatal failure: the engine stops; the error names who raised (logged once)."""
+        if isinstance(error, EngineError):
+            message = str(error)
+        else:
+            policy = self.plugin_code[0]
+            message = describe(error, self.plugin_code, policy if during == "schedule" else None,
+                               "scheduling (its sort_key values must compare with each other)")
+            log_fault(message, error)
+        self.dead = f"the engine stopped: {message}"
+        return EngineError(self.dead)
+
     def add_request(self, request: Request) -> None:
         """Queue a request; raises InvalidRequestError if it could never run. A constrained one
         waits here, outside the scheduler, until its grammar is compiled."""
+        if self.dead is not None:
+            raise EngineError(self.dead)
         params = request.sampling_params.structured_output
         if params is None:
             self.scheduler.add_request(request)
@@ -135,7 +182,7 @@ class EngineCore:
 
     def _admit_compiled(self) -> list[EngineCoreOutput]:
         """Move the requests whose matcher is ready into the scheduler; end those whose
-        constraint failed to compile (finish_reason "abort"; the front-end validated it, so this
+        constraint failed to compile (finish_reason "error"; the front-end validated it, so this
         is a backend limit that only a full compile finds). Waits a little when nothing else can
         run, rather than spinning."""
         if not self.scheduler.has_unfinished_requests():
@@ -147,11 +194,11 @@ class EngineCore:
             del self.compiling[request_id]
             try:
                 request.grammar = future.result()
-                self._grammars_admitted = True
             except Exception as e:
-                logger.warning("request %s: structured output failed to compile: %s", request_id, e)
-                request.status = RequestStatus.FINISHED_ABORTED
-                failed.append(EngineCoreOutput(request_id, [], finish_reason="abort", arrival_time=request.arrival_time))
+                request.error = describe(e, [self.structured_output.code], self.structured_output.code, "compile")
+                log_fault(request.error, e, request_id=request_id)
+                request.status = RequestStatus.FINISHED_ERROR
+                failed.append(EngineCoreOutput.ended(request))
                 continue
             try:
                 self.scheduler.add_request(request)  # the policy's admission control decides now
@@ -162,35 +209,29 @@ class EngineCore:
         return failed
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.dead is not None:
+            raise EngineError(self.dead)
         failed = self._admit_compiled() if self.compiling else []
-        scheduler_output = self.scheduler.schedule()
+        try:
+            scheduler_output = self.scheduler.schedule()
+        except Exception as e:
+            raise self._stop(e, "schedule") from None
         for observe in self.schedule_observers:
             observe(scheduler_output)
-        result = self.runner.execute(scheduler_output)
+        try:
+            result = self.runner.execute(scheduler_output)
+        except Exception as e:
+            raise self._stop(e, "execute") from None
         outputs = self.scheduler.update_from_output(scheduler_output, result.sampled_token_ids, result.logprobs)
-        # Advance each constrained request's matcher by the token it just received.
-        constrained = {}
-        if self._grammars_admitted:
-            constrained = {s.request.request_id: s.request for s in scheduler_output.scheduled if s.request.grammar is not None}
-        for index, output in enumerate(outputs if constrained else ()):
-            request = constrained.get(output.request_id)
-            if request is None:
-                continue
-            if not self.structured_output.accept(request, output.new_token_ids[-1]):
-                # The mask allowed only tokens the grammar accepts: this is a backend fault.
-                logger.error("request %s: the grammar refused its sampled token", request.request_id)
-                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
-                logprobs = output.logprobs[-1] if output.logprobs else None
-                outputs[index] = EngineCoreOutput.of(request, logprobs)
         stats = self.stats
         stats.num_steps += 1
         stats.num_preemptions += len(scheduler_output.preempted_request_ids)
         stats.kv_usage = self.kv_cache_manager.usage
         stats.peak_kv_usage = max(stats.peak_kv_usage, stats.kv_usage)
         for request in scheduler_output.rejected:  # turned away by the policy before running
-            outputs.append(EngineCoreOutput(request.request_id, [], finish_reason=request.status.finish_reason,
-                                            arrival_time=request.arrival_time, finished_time=request.finished_time,
-                                            reject_reason=request.reject_reason))  # fmt: skip
+            outputs.append(EngineCoreOutput.ended(request))
+        for request in scheduler_output.failed:  # a policy call failed on it
+            outputs.append(EngineCoreOutput.ended(request))
         return failed + outputs if failed else outputs
 
     def shutdown(self) -> None:

@@ -4,9 +4,9 @@
 built in a small thread pool: the backend itself (tokenizer tables, ~1 s) on the first
 constrained request, then the compiled constraint (cached by ``params.cache_key()``, LRU), then
 a fresh matcher. The engine core holds the request outside the scheduler until the future is
-done, so the batch never waits for a compilation. Nothing here runs per token except
-``accept`` (called by the core after each step) and the matchers' ``fill_bitmask`` (called by
-the sampler).
+done, so the batch never waits for a compilation. Nothing here runs per token: the matchers'
+``fill_bitmask`` is called by the sampler and ``accept_token`` by the scheduler's
+``update_from_output``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from paged.core.engine.request import Request
 from paged.core.structured_output import GrammarMatcher, StructuredOutputBackend, StructuredOutputParams
 
 logger = logging.getLogger("paged")
@@ -45,6 +44,7 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self._backend: StructuredOutputBackend | None = None
         self._compiled: OrderedDict[str, Future] = OrderedDict()
+        self.code = None  # the backend's PluginCode (set by the engine core), to name it in failures
 
     def submit(self, params: StructuredOutputParams) -> Future:
         """A future of a fresh ``GrammarMatcher`` for ``params`` (its exception: the compile error)."""
@@ -87,14 +87,6 @@ class StructuredOutputManager:
 
     def _build(self, params: StructuredOutputParams) -> GrammarMatcher:
         return self._get_backend().matcher(self.compiled(params))
-
-    @staticmethod
-    def accept(request: Request, token_id: int) -> bool:
-        """Advance the request's matcher by its new token (no-op once the grammar has ended)."""
-        grammar = request.grammar
-        if grammar is None or grammar.is_terminated():
-            return True
-        return grammar.accept_token(token_id)
 
     def shutdown(self) -> None:
         if self._pool is not None:

@@ -176,8 +176,12 @@ class ModelRunner:
                 "use model.quantization=none"
             )
         count = self.model.quantize_weights(self.quantizer)
-        logger.info("quantized %d weight modules (%s)", count,
-                    ", ".join(f"{n}: {c}" for n, c in sorted(self.quantizer.counts.items())) or "none")
+        counts = self.quantizer.counts
+        shared = count - sum(counts.values())  # modules that reuse a weight quantized once (a tied LM head)
+        logger.info("quantized %d weights (%s) for %d modules%s%s", sum(counts.values()),
+                    ", ".join(f"{n}: {c}" for n, c in sorted(counts.items())) or "none", count,
+                    f"; {shared} share a weight quantized once (tied embedding and LM head)" if shared > 0 else "",
+                    f"; left dense by the method: {', '.join(self.quantizer.left_dense)}" if self.quantizer.left_dense else "")
 
     def _log_weight_memory(self, dtype_setting: str) -> None:
         measure = getattr(self.model, "weight_bytes", None)

@@ -14,7 +14,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 
     request_id: str
     new_token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "rejected" (by the policy, no tokens)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "rejected" (by the policy) | "error"
     stop_token_id: int | None = None
     logprobs: list[TokenLogprobs] = []  # one per new token, when asked for
     arrival_time: float = 0.0
@@ -24,6 +24,15 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     reject_reason: str | None = None  # with finish_reason "rejected": the policy's reason
+    error: str | None = None  # with finish_reason "error": who failed, how (paged.core.engine.plugin_faults)
+
+    @classmethod
+    def ended(cls, request: Request) -> "EngineCoreOutput":
+        """A request that ended this step without a new token (rejected, or failed)."""
+        return cls(request.request_id, [], request.status.finish_reason, arrival_time=request.arrival_time,
+                   first_scheduled_time=request.first_scheduled_time, first_token_time=request.first_token_time,
+                   finished_time=request.finished_time, num_preemptions=request.num_preemptions,
+                   reject_reason=request.reject_reason or None, error=request.error or None)
 
     @classmethod
     def of(cls, request: Request, logprobs: TokenLogprobs | None = None) -> "EngineCoreOutput":

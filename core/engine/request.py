@@ -19,10 +19,11 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"  # max_tokens or max_model_len
     FINISHED_ABORTED = "abort"
     FINISHED_REJECTED = "rejected"  # the policy's admission control turned it away
+    FINISHED_ERROR = "error"  # a plugin failed on it (paged.core.engine.plugin_faults); ``error`` says how
 
     def __init__(self, value: str) -> None:
         # Plain attributes, not properties: read for every scheduled request at every step.
-        self.finished: bool = value in ("stop", "length", "abort", "rejected")
+        self.finished: bool = value in ("stop", "length", "abort", "rejected", "error")
         self.finish_reason: str | None = value if self.finished else None
 
 
@@ -63,6 +64,7 @@ class Request:
     running_s: float = 0.0  # seconds spent running before the current run
     running_since: float | None = None  # start of the current run; None while not running
     reject_reason: str = ""  # set with FINISHED_REJECTED
+    error: str = ""  # set with FINISHED_ERROR, or during a step by code that found it failed
     # Timestamps for metrics.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

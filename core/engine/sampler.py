@@ -46,6 +46,7 @@ from typing import Iterable
 
 import torch
 
+from paged.core.engine.plugin_faults import describe, log_fault
 from paged.core.engine.request import Request
 
 _NEG_INF = float("-inf")
@@ -160,6 +161,7 @@ class Sampler:
         self._generator.manual_seed(seed)
         self._seeded: dict[str, torch.Generator] = {}
         self._bitmask = torch.empty(0, (self.vocab_size + 31) // 32, dtype=torch.int32)  # grown on demand
+        self.grammar_code = None  # the structured-output backend's PluginCode, to name it in failures
         # bit j of an int32 word (1 << 31 wraps to the sign bit, which is what the word holds)
         self._bits = (torch.ones(32, dtype=torch.int64) << torch.arange(32)).to(torch.int32).to(self.device)
 
@@ -255,7 +257,13 @@ class Sampler:
             self._bitmask = torch.empty(max(num_rows, 2 * self._bitmask.shape[0]), self._bitmask.shape[1], dtype=torch.int32)
         bitmask = self._bitmask[:num_rows]
         for j, i in enumerate(rows):
-            requests[i].grammar.fill_bitmask(bitmask, j)
+            try:
+                requests[i].grammar.fill_bitmask(bitmask, j)
+            except Exception as e:  # this request ends (the scheduler sees ``error``); the others go on
+                code = self.grammar_code
+                requests[i].error = describe(e, [code], code, "fill_bitmask")
+                log_fault(requests[i].error, e, request_id=requests[i].request_id)
+                bitmask[j].fill_(-1)
         words = bitmask.to(logits.device, non_blocking=True)
         banned = ((words[:, :, None] & self._bits) == 0).view(num_rows, -1)[:, :vocab]
         if num_rows == logits.shape[0]:

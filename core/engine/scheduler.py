@@ -20,6 +20,11 @@ One ``schedule()`` per engine step:
    would recompute from zero what it had just computed).
 4. The policy's ``on_step`` gets the step's stats.
 
+A policy that raises for one request (``sort_key``, ``admit``) ends that request with finish
+reason "error" and a message naming the policy, its method and the exception; the others go on
+(``paged.core.engine.plugin_faults``). What it raises elsewhere leaves ``schedule`` (the engine
+core stops with the message).
+
 Preemption is by recompute: the victim frees its blocks, goes back to zero computed tokens and
 returns to the waiting queue at its policy position (prefix caching makes the recompute cheap).
 ``num_computed_tokens`` is advanced when a request is scheduled; ``update_from_output`` appends the
@@ -29,19 +34,23 @@ sampled tokens, applies stop conditions and frees finished requests' blocks at o
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from paged.core.errors import ConfigError, InvalidRequestError, RequestRejectedError
+from paged.core.errors import ConfigError, EngineError, InvalidRequestError, RequestRejectedError
 from paged.core.engine.kv_cache_manager import KVCacheManager
 from paged.core.engine.outputs import EngineCoreOutput
+from paged.core.engine.plugin_faults import PluginCode, describe, log_fault, plugin_code
 from paged.core.engine.policy_inputs import budget_split, step_stats
 from paged.core.engine.request import Request, RequestStatus
 from paged.core.engine.sampler import TokenLogprobs
 from paged.core.engine.waiting_queue import GroupedWaitingQueue, WaitingQueue
 from paged.core.policy import MAX_DEFERRALS_PER_STEP, Admission, SchedulingPolicy, overrides
 from paged.core.utils import cdiv
+
+logger = logging.getLogger("paged")
 
 
 @dataclass(slots=True)
@@ -69,6 +78,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
     rejected: list[Request] = field(default_factory=list)  # turned away by the policy this step
+    failed: list[Request] = field(default_factory=list)  # ended this step by a plugin's failure (``error``)
     finished_request_ids: list[str] = field(default_factory=list)  # since the previous step
 
     @property
@@ -95,6 +105,10 @@ class Scheduler:
         clock=time.monotonic,
     ) -> None:
         self.policy = policy
+        # Names the policy in failure messages (the engine core sets the plugin that registered it).
+        self.policy_code: PluginCode = plugin_code("policy", getattr(policy, "name", type(policy).__name__), None, policy)
+        self._failed: list[Request] = []  # requests a policy call failed on, to end at the next safe point
+        self.grammar_code: PluginCode | None = None  # the structured-output backend (set by the engine core)
         # Every timestamp the scheduler takes and every ``now`` a policy gets (the lab's simulator
         # sets its virtual clock here).
         self.clock = clock
@@ -143,11 +157,20 @@ class Scheduler:
         self.check_request(request.num_prompt_tokens, request.max_tokens)
         request.status = RequestStatus.WAITING
         now = self.clock()
-        if self._admit is not None:
-            decision = self._admit(request.view, now)
-            if isinstance(decision, Admission) and decision.decision == "reject":
-                raise RequestRejectedError(decision.reason or "rejected by the scheduling policy", decision.http_status)
-        request.sort_key = self._key(request, now)
+        method = "admit"
+        try:
+            if self._admit is not None:
+                decision = self._admit(request.view, now)
+                if isinstance(decision, Admission) and decision.decision == "reject":
+                    raise RequestRejectedError(decision.reason or "rejected by the scheduling policy", decision.http_status)
+            method = "sort_key"
+            request.sort_key = self._key(request, now)
+        except (RequestRejectedError, EngineError):
+            raise
+        except Exception as e:  # the policy failed on this request: it is refused, the others go on
+            message = describe(e, [self.policy_code], self.policy_code, method)
+            log_fault(message, e, request_id=request.request_id)
+            raise EngineError(message) from None
         self.requests[request.request_id] = request
         self.waiting.push(request)
 
@@ -167,6 +190,26 @@ class Scheduler:
             self._free(request)
             out.append(request)
         return out
+
+    def _policy_failed(self, request: Request, error: Exception, method: str) -> None:
+        """Record that the policy raised for ``request``; it ends at the next safe point."""
+        request.error = describe(error, [self.policy_code], self.policy_code, method)
+        log_fault(request.error, error, request_id=request.request_id)
+        self._failed.append(request)
+
+    def _end_failed(self, output: SchedulerOutput) -> None:
+        """End the requests a policy call failed on (finish reason "error"), freeing their blocks."""
+        for request in self._failed:
+            if request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = RequestStatus.FINISHED_ERROR
+            self._free(request)
+            output.failed.append(request)
+        self._failed = []
 
     def _key(self, request: Request, now: float) -> tuple:
         if self._dynamic:
@@ -195,6 +238,24 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def _grammar_accepts(self, request: Request, token: int) -> bool:
+        """Advance ``request``'s matcher by ``token``; False (``request.error`` says why) when
+        the grammar refuses it or raises. A terminated grammar accepts anything (EOS ends it)."""
+        grammar, code = request.grammar, self.grammar_code
+        try:
+            if grammar.is_terminated() or grammar.accept_token(token):
+                return True
+            request.error = (
+                f"structured output: the constraint allows no continuation after {request.num_output_tokens} "
+                f"tokens (the grammar refused token {token}, which its own mask let through); a constraint "
+                f"that no string satisfies, or a fault of {code.label if code else 'the grammar backend'}"
+            )
+            logger.error("request %s: %s", request.request_id, request.error)
+        except Exception as e:
+            request.error = describe(e, [code], code, "accept_token")
+            log_fault(request.error, e, request_id=request.request_id)
+        return False
 
     # --- the step ----------------------------------------------------------------------
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
@@ -227,16 +288,18 @@ class Scheduler:
 
     def _rekey_waiting(self, now: float) -> None:
         key = self.policy.sort_key
-        if not self._uses_prefix_hits:
-            self.waiting.rekey(lambda r: key(r.view, now))
-            return
-        lookup = self.kv.get_computed_blocks
+        lookup = self.kv.get_computed_blocks if self._uses_prefix_hits else None
 
-        def key_with_hits(request: Request) -> tuple:
-            request.prefix_hit_tokens = lookup(request, record_stats=False)[1]
-            return key(request.view, now)
+        def safe_key(request: Request) -> tuple:
+            try:
+                if lookup is not None:
+                    request.prefix_hit_tokens = lookup(request, record_stats=False)[1]
+                return key(request.view, now)
+            except Exception as e:
+                self._policy_failed(request, e, "sort_key")
+                return request.sort_key  # keeps the queue ordered until the request is ended
 
-        self.waiting.rekey(key_with_hits)
+        self.waiting.rekey(safe_key)
 
     def _displace(self, output: SchedulerOutput) -> None:
         while self.running:
@@ -261,13 +324,21 @@ class Scheduler:
         now = self.clock()
         rekeyed = False
         if self._dynamic:
+            key = self.policy.sort_key
             for request in self.running:
-                request.sort_key = self.policy.sort_key(request.view, now)
+                try:
+                    request.sort_key = key(request.view, now)
+                except Exception as e:
+                    self._policy_failed(request, e, "sort_key")
+            if self._failed:
+                self._end_failed(output)
             self.running.sort(key=_sort_key)
         if self.policy.displaces_running:
             if self._dynamic_waiting:
                 self._rekey_waiting(now)
                 rekeyed = True
+                if self._failed:
+                    self._end_failed(output)
             self._displace(output)
         num_displaced = len(output.preempted_request_ids)
         budget = self.max_num_batched_tokens
@@ -315,6 +386,8 @@ class Scheduler:
         can_admit = budget > 0 and len(self.running) < self.max_num_seqs and not preempted_in_running_loop
         if can_admit and self._dynamic_waiting and not rekeyed and len(self.waiting):
             self._rekey_waiting(now)
+        if self._failed:
+            self._end_failed(output)
         deferred: list[Request] = []
         displaced = output.preempted_request_ids[:num_displaced]
         while budget > 0 and len(self.running) < self.max_num_seqs and not preempted_in_running_loop:
@@ -323,8 +396,16 @@ class Scheduler:
             request = self.waiting.peek()
             if request is None or (displaced and request.request_id in displaced):
                 break
+            if request.error:  # its key failed when it became a candidate just now
+                self._end_failed(output)
+                continue
             if self._admit is not None and request.first_scheduled_time is None:
-                decision = self._admit(request.view, now)
+                try:
+                    decision = self._admit(request.view, now)
+                except Exception as e:
+                    self._policy_failed(request, e, "admit")
+                    self._end_failed(output)
+                    continue
                 if isinstance(decision, Admission) and decision.decision == "reject":
                     self.waiting.pop()
                     self._reject(request, decision, output)
@@ -363,6 +444,8 @@ class Scheduler:
                 prefill_left -= num_new
         for request in deferred:
             self.waiting.push(request)
+        if self._failed:
+            self._end_failed(output)
         if self._on_step is not None:
             self._on_step(step_stats(self, output, now, len(deferred)))
         return output
@@ -370,7 +453,8 @@ class Scheduler:
     def update_from_output(
         self, output: SchedulerOutput, sampled_token_ids: dict[str, int], logprobs: dict[str, TokenLogprobs] | None = None
     ) -> list[EngineCoreOutput]:
-        """Append each sampled token, apply stop conditions, free finished requests.
+        """Advance each constrained request's grammar by its sampled token, append the token,
+        apply stop conditions, free finished requests: every finish decision of a step is here.
         Returns the step's outputs: one per request that received a token (finished ones
         included), with its ``logprobs`` entry when there is one."""
         updated = []
@@ -384,6 +468,14 @@ class Scheduler:
             # Skip one aborted since it was scheduled (a request in the output is RUNNING
             # otherwise: nothing preempts it before the next step).
             if token is None or request.status is not running:
+                continue
+            if request.error or request.grammar is not None and not self._grammar_accepts(request, token):
+                # Its grammar refused the token or failed (now, or filling its mask): the
+                # token is not appended; the request ends with the error.
+                self.running.remove(request)
+                request.status = RequestStatus.FINISHED_ERROR
+                self._free(request)
+                updated.append(EngineCoreOutput.ended(request))
                 continue
             request.append_output_token(token)
             if request.first_token_time is None:

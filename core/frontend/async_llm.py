@@ -10,7 +10,8 @@ With ``parallel.data_parallel_size`` N > 1 there are N cores behind the same soc
 ``DataParallelRouter`` picks the core of each core request (each child of an n > 1 request on its
 own: least loaded, preferring a known prefix) and remembers it until the request ends, so that
 aborts and stops go to the core that holds it; utility calls go to every core and ``get_stats``
-combines their answers (``paged.core.frontend.dp_stats``). Any dead core makes the whole engine dead.
+combines their answers (``paged.core.frontend.dp_stats``). Any dead core makes the whole engine dead
+(``watch`` tells its owner, e.g. the server, which then exits or starts a new ``AsyncLLM``).
 
     llm = AsyncLLM.from_config(config)        # blocks until the core says READY
     async for out in llm.generate("Hello", SamplingParams(max_tokens=8), "req-1"):
@@ -24,7 +25,7 @@ import asyncio
 import itertools
 import logging
 import threading
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 import zmq
 
@@ -78,6 +79,7 @@ class AsyncLLM:
         self._handler: asyncio.Task | None = None
         self._dead: str | None = None
         self._shutting_down = False
+        self._on_death: Callable[[str], None] | None = None  # see watch()
         self.num_cores: int = client.num_cores
         self.router: DataParallelRouter | None = None  # None with one core: everything goes to core 0
         if self.num_cores > 1:
@@ -154,6 +156,13 @@ class AsyncLLM:
     def _ensure_handler(self) -> None:
         if self._handler is None or self._handler.done():
             self._handler = asyncio.get_running_loop().create_task(self._output_handler(), name="paged-output-handler")
+
+    def watch(self, on_death: Callable[[str], None]) -> None:
+        """Call ``on_death(message)`` once, from the event loop, when the engine dies (after its
+        pending requests have failed), but not when it is shut down. Starts the output handler
+        now, so that a dead core is noticed within _POLL_MS even with no request open."""
+        self._on_death = on_death
+        self._ensure_handler()
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         return self.input_processor.apply_chat_template(messages, tools)
@@ -431,16 +440,29 @@ class AsyncLLM:
         for fut in self._utility_futures.values():
             if not fut.done():
                 fut.set_exception(EngineDeadError(message))
+        if self._on_death is not None and not self._shutting_down:
+            self._on_death(message)
 
     # --- shutdown ---------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Stop the core process (SIGTERM, then SIGKILL) and fail what is still pending."""
+        """Stop the core process (SIGTERM, then SIGKILL) and fail what is still pending. Blocks
+        while the cores exit: from an event loop, use ``aclose``."""
         self._shutting_down = True
         handler, self._handler = self._handler, None
         if handler is not None and not handler.done():
             handler.cancel()
         self._on_core_death("the engine is shut down")
         self.client.close()
+
+    async def aclose(self) -> None:
+        """``shutdown`` without blocking the event loop (the cores are waited for in a thread)."""
+        self._shutting_down = True
+        handler, self._handler = self._handler, None
+        if handler is not None and not handler.done():
+            handler.cancel()
+            await asyncio.wait([handler])  # nothing may await the sockets once they close
+        self._on_core_death("the engine is shut down")
+        await self.client.aclose()
 
     async def __aenter__(self) -> "AsyncLLM":
         return self

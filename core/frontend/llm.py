@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 from paged.core.config import EngineConfig, Flag, config_flags, load_config
 from paged.core.frontend.llm_engine import LLMEngine
-from paged.core.errors import ConfigError, InvalidRequestError
+from paged.core.errors import ConfigError, EngineError, InvalidRequestError
 from paged.core.frontend.outputs import RequestOutput
 from paged.core.frontend.tools import (calls_from_constrained, check_tools, model_type, tool_choice_mode,
                                        tool_constraint, tool_parser_for)  # fmt: skip
@@ -79,7 +79,9 @@ class LLM:
         """Generate for each prompt (text, or token ids); outputs come back in input order.
         ``tenant`` (who sends it) and ``deadline_s`` (seconds to finish) are for the scheduling
         policy: one value, or one per prompt. A request the policy's admission control turns away
-        raises RequestRejectedError when it arrives, or finishes with finish_reason "rejected"."""
+        raises RequestRejectedError when it arrives, or finishes with finish_reason "rejected".
+        A request a plugin failed on (paged.core.engine.plugin_faults) raises EngineError naming
+        the plugin, its method and the exception, with every output in ``.outputs``."""
         prompt_list = _as_prompt_list(prompts)
         n = len(prompt_list)
         params_list = _broadcast(sampling_params or self.get_default_sampling_params(), n, "sampling_params")
@@ -150,10 +152,14 @@ class LLM:
             bar.update(1)
 
         try:
-            return engine.run_until_finished(ids, progress if bar is not None else None)
+            outputs = engine.run_until_finished(ids, progress if bar is not None else None)
         finally:
             if bar is not None:
                 bar.close()
+        failed = [c.stop_reason for out in outputs for c in out.outputs if c.finish_reason == "error"]
+        if failed:  # a plugin failed on some requests; the others' outputs ride along
+            raise EngineError(f"{len(failed)} of {len(outputs)} requests failed: {failed[0]}", outputs)
+        return outputs
 
 
 def _tool_calls(mode: str, name: str | None, parser, c) -> list:

@@ -45,8 +45,10 @@ class CompletionOutput:
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "rejected" | "error"
+    # the stop string or stop token that ended it; with "rejected" the policy's reason, with
+    # "error" the failure (who raised, in which method, what)
+    stop_reason: str | int | None = None
     logprobs: list[Any] | None = None  # per generated token: paged.core.engine.sampler.TokenLogprobs
     new_text: str = ""  # text added since the previous output of this request (streaming)
     new_token_ids: list[int] = field(default_factory=list)

@@ -9,10 +9,11 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 from paged.core.frontend.detokenizer import IncrementalDetokenizer
 from paged.core.engine.engine_core import ModelInfo
+from paged.core.constraint_check import ConstraintValidator
 from paged.core.engine.outputs import EngineCoreOutput
 from paged.core.errors import InvalidRequestError
 from paged.core.frontend.tools import render_tool_messages
@@ -47,25 +48,19 @@ class ParentRequest:
         return [c.request_id for c in self.children]
 
 
-def structured_output_validator(config, registry=None) -> Callable[[StructuredOutputParams], None]:
-    """The configured backend's cheap check of a constraint (no tokenizer), as a function that
-    raises InvalidRequestError naming the field and the problem."""
+def structured_output_validator(config, registry=None) -> ConstraintValidator:
+    """The check of a constraint before queueing (paged.core.constraint_check): bounded checks,
+    then, given the model, the configured backend's compile in a worker process with a time
+    limit; raises InvalidRequestError naming the field and the problem."""
     from paged.core.config import resolve_structured_output
 
-    spec, options = resolve_structured_output(config, registry)
-
-    def validate(params: StructuredOutputParams) -> None:
-        try:
-            spec.validate(params, options)
-        except ValueError as e:
-            raise InvalidRequestError(str(e)) from None
-
-    return validate
+    spec, options = resolve_structured_output(config, registry)  # an unknown or missing backend fails here
+    return ConstraintValidator(config, spec, options)
 
 
 class InputProcessor:
     def __init__(self, tokenizer, model_info: ModelInfo,
-                 validate_structured_output: Callable[[StructuredOutputParams], None] | None = None) -> None:
+                 validate_structured_output: ConstraintValidator | None = None) -> None:
         self.tokenizer = tokenizer
         self.info = model_info
         self.validate_structured_output = validate_structured_output
@@ -129,7 +124,7 @@ class InputProcessor:
                     f"prompt_token_ids: {bad[:5]} out of range; token ids must be in [0, {self.info.vocab_size})"
                 )
         if params.structured_output is not None and self.validate_structured_output is not None:
-            self.validate_structured_output(params.structured_output)
+            self.validate_structured_output(params.structured_output, self.info)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority: invalid value {priority!r}; must be an integer")
         check_request_metadata(tenant, deadline_s)
@@ -218,6 +213,8 @@ class OutputProcessor:
                 out.stop_reason = core_out.stop_token_id if core_out.stop_token_id in child.stop_token_ids else None
                 if core_out.finish_reason == "rejected":  # turned away by the policy: why, for the client
                     out.stop_reason = core_out.reject_reason
+                elif core_out.finish_reason == "error":  # a plugin failed on it: who, and how
+                    out.stop_reason = core_out.error
             out.text += delta
             out.new_text += delta
             out.metrics = RequestMetrics(

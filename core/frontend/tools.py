@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import reprlib
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,14 +57,17 @@ def check_tools(tools: Any) -> list[dict[str, Any]]:
         if name in names:
             raise InvalidRequestError(f"{where}.function.name: {name!r} is given twice")
         names.add(name)
-        params = fn.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(params, dict):
-            raise InvalidRequestError(f"{where}.function.parameters: must be a JSON schema object, got {params!r}")
+        params = fn.get("parameters")
+        # As OpenAI: arguments are a JSON object, so the schema must describe one ({} or absent: no parameters).
+        if params is not None and params != {} and not (isinstance(params, dict) and params.get("type") == "object"):
+            raise InvalidRequestError(f"{where}.function.parameters: must be a JSON Schema of type 'object', e.g. "
+                                      f"{{'type': 'object', 'properties': {{...}}}}, got {reprlib.repr(params)}")
     return tools
 
 
 def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
-    return tool["function"].get("parameters") or {"type": "object", "properties": {}}
+    """The schema of a tool's arguments; none (or {}) means it takes none: ``{}``."""
+    return tool["function"].get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 def tool_choice_mode(tool_choice: Any, tools: list[dict[str, Any]] | None) -> tuple[str, str | None]:

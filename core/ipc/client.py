@@ -3,6 +3,7 @@ See ``paged.core.ipc.engine_core_proc`` for the protocol and the process lifecyc
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
@@ -194,10 +195,23 @@ class EngineCoreClient:
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the cores (SIGTERM to all, then SIGKILL to what is left) and close the sockets;
-        idempotent."""
+        idempotent. Blocks while the cores exit: from an event loop, use ``aclose``."""
         if self._closed:
             return
         self._closed = True
+        self._stop_processes(timeout)
+        self._close_sockets()
+
+    async def aclose(self, timeout: float = 10.0) -> None:
+        """``close`` without blocking the event loop: the cores are waited for in a thread. Call it
+        from the loop that uses the sockets, once nothing awaits them."""
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.to_thread(self._stop_processes, timeout)
+        self._close_sockets()
+
+    def _stop_processes(self, timeout: float) -> None:
         running = [proc for proc in getattr(self, "procs", []) if proc.poll() is None]
         for proc in running:
             proc.terminate()
@@ -208,6 +222,8 @@ class EngineCoreClient:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
+
+    def _close_sockets(self) -> None:
         for sock in (self.router, self.pull):
             sock.close(linger=0)
         self.ctx.term()

@@ -46,7 +46,7 @@ import msgspec
 import zmq
 
 from paged.core.engine.child_process import is_orphaned, read_config_from_stdin
-from paged.core.errors import PagedError, RequestRejectedError
+from paged.core.errors import EngineError, PagedError, RequestRejectedError
 from paged.core.ipc.messages import (
     AbortRequests,
     AddRequest,
@@ -192,6 +192,9 @@ class EngineCoreProc:
         code = 0
         try:
             self._busy_loop()
+        except EngineError as e:  # a plugin or the engine failed in a step: already logged, with its traceback
+            self.out_q.put(CoreFailed(str(e), self.dp_rank))
+            code = 1
         except Exception as e:
             logger.exception("core: fatal error in the engine loop")
             self.out_q.put(CoreFailed(f"{type(e).__name__}: {e}", self.dp_rank))

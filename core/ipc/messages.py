@@ -19,11 +19,11 @@ import msgspec
 from paged.core.engine.engine_core import ModelInfo
 from paged.core.engine.outputs import EngineCoreOutput
 from paged.core.engine.request import Request
-from paged.core.errors import PagedError
+from paged.core.errors import EngineError
 from paged.core.sampling_params import SamplingParams
 
 
-class EngineDeadError(PagedError):
+class EngineDeadError(EngineError):
     """The engine core process is not running (it died, or it has not started)."""
 
 

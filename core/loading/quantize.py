@@ -54,7 +54,8 @@ class Quantizer:
         self.methods = methods  # name -> (spec, validated options)
         self.default = default  # the method for weights without block scales (None: stay dense)
         self.scales = scales
-        self.counts: dict[str, int] = {}
+        self.counts: dict[str, int] = {}  # method -> weights it quantized (quantize calls that returned one)
+        self.left_dense: list[str] = []  # checkpoint names of weights a method left dense (returned None)
 
     def _stacked_scales(self, weight: torch.Tensor, slices: dict[str, Any]) -> BlockScales | None:
         """The block scales of ``weight`` assembled like its rows (None unless every part has
@@ -85,6 +86,8 @@ class Quantizer:
             raise ModelLoadError(f"model.quantization: method {name!r} failed on a {tuple(weight.shape)} weight: {e}") from e
         if out is not None:
             self.counts[name] = self.counts.get(name, 0) + 1
+        else:
+            self.left_dense.extend(slices)
         return out
 
 

@@ -4,6 +4,8 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as 
 events or not), ``GET /v1/models``, ``GET /health`` (503 until the engine core is ready and
 whenever it is dead), ``GET /metrics`` (Prometheus text), ``GET /version`` and
 ``GET /debug/engine`` (core pid, KV blocks free / total, running / waiting requests).
+When the engine core dies the server exits non-zero or restarts the engine
+(``server.on_engine_death``; see ``paged.core.server.state``).
 
 With ``--data-parallel-size N`` the engine is N core processes behind this one front-end (see
 ``paged.core.frontend.async_llm``): /health is 200 only while all N run, the core metrics and
@@ -21,7 +23,6 @@ answers /health (with 503) while the model loads.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from contextlib import asynccontextmanager, suppress
 from typing import Any, Callable
@@ -39,9 +40,9 @@ from paged.core.server.chat import chat
 from paged.core.server.completions import completions
 from paged.core.server.errors import APIError, engine_unavailable, from_exception, invalid
 from paged.core.server.guard import Guard, read_json
-from paged.core.server.inputs import PromptInputs
-from paged.core.server.state import ServerState, default_served_model_name
-from paged.core.server.streaming import Tokens, unless_disconnected
+from paged.core.server.protocol import TENANT_HEADER, tenant_header
+from paged.core.server.state import ServerState
+from paged.core.server.streaming import unless_disconnected
 
 logger = logging.getLogger("paged")
 
@@ -64,37 +65,13 @@ def build_app(config: EngineConfig, start_timeout: float = 600.0,
     requests (``add``/``discard``/``finish``; ``paged serve --record-trace`` passes the lab's)."""
     state = ServerState(config)
 
-    async def start_engine() -> None:
-        try:
-            llm = await asyncio.to_thread(AsyncLLM.from_config, config, state.metrics, start_timeout,
-                                          state.cancel_start)
-        except Exception as e:
-            state.start_error = f"the engine failed to start: {e}"
-            logger.error("%s", state.start_error)
-            if state.uvicorn_server is not None:
-                state.uvicorn_server.should_exit = True
-            return
-        state.served_model_name = default_served_model_name(config)
-        if make_trace_recorder is not None:
-            llm.trace_recorder = make_trace_recorder()
-        state.tokens = Tokens(llm.tokenizer)
-        state.inputs = PromptInputs(llm)
-        state.llm = llm
-        logger.info("serving model %r", state.served_model_name)
-
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        starter = asyncio.ensure_future(start_engine())
+        state.begin_start(start_timeout, make_trace_recorder)
         try:
             yield
         finally:
-            state.cancel_start.set()
-            with suppress(BaseException):
-                await asyncio.wait_for(starter, 30)
-            if state.inputs is not None:
-                state.inputs.close()
-            if state.llm is not None:
-                state.llm.shutdown()
+            await state.close()
 
     # No docs pages: they would be one more unauthenticated surface (and the OpenAI API is documented).
     app = FastAPI(title="paged", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -127,8 +104,8 @@ def build_app(config: EngineConfig, start_timeout: float = 600.0,
 
     @app.get("/health")
     async def health():
-        if state.llm is None or not state.llm.is_alive:
-            reason = state.start_error or ("engine starting" if state.llm is None else "engine core is dead")
+        reason = state.engine_down()
+        if reason is not None:
             return engine_unavailable(reason).response()
         return Response(status_code=200)
 
@@ -179,12 +156,14 @@ def build_app(config: EngineConfig, start_timeout: float = 600.0,
     @app.post("/v1/completions")
     async def completions_route(request: Request):
         body = await read_json(request, config.server.max_body_bytes)
-        return await unless_disconnected(request, completions(state, body, request.headers.get("x-paged-tenant")))
+        tenant = tenant_header(request.headers.get(TENANT_HEADER))
+        return await unless_disconnected(request, completions(state, body, tenant))
 
     @app.post("/v1/chat/completions")
     async def chat_completions_route(request: Request):
         body = await read_json(request, config.server.max_body_bytes)
-        return await unless_disconnected(request, chat(state, body, request.headers.get("x-paged-tenant")))
+        tenant = tenant_header(request.headers.get(TENANT_HEADER))
+        return await unless_disconnected(request, chat(state, body, tenant))
 
     return app
 

@@ -13,7 +13,7 @@ from paged.core.server.errors import from_exception, invalid
 from paged.core.server.generation import ChoiceFormat, accept, respond
 from paged.core.server.protocol import ChatCompletionRequest, ChatMessage, check_limits, sampling_params
 from paged.core.server.state import ServerState
-from paged.core.server.structured import structured_output_of
+from paged.core.server.structured import check_compiles, constraint_field, structured_output_of
 from paged.core.server.tool_calls import ToolCallShaper, model_type
 from paged.core.frontend.tools import check_tools, tool_choice_mode, tool_constraint, tool_parser_for
 from paged.core.server.streaming import chat_logprobs
@@ -53,7 +53,7 @@ class ChatFormat(ChoiceFormat):
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """What the chat template sees: role (developer rendered as system), content as a string
     (text parts joined; null is empty) and, when set, an assistant's ``tool_calls`` and a tool
-    result's ``tool_call_id`` and ``name`` (for tool-calling templates)."""
+    result's ``tool_call_id`` (required, as OpenAI does) and ``name`` (for tool-calling templates)."""
     out = []
     for k, m in enumerate(messages):
         content = m.content
@@ -66,6 +66,9 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                     raise invalid(f"messages[{k}].content: only text parts ({{'type': 'text', 'text': ...}}) "
                                   "are supported", "messages")
             content = "".join(parts)
+        if m.role == "tool" and m.tool_call_id is None:
+            raise invalid(f"messages[{k}].tool_call_id: required in a message of role 'tool' (the id of the "
+                          "assistant's tool call it answers)")
         message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
         if m.tool_calls:
             message["tool_calls"] = m.tool_calls
@@ -113,6 +116,13 @@ async def chat(state: ServerState, body: Any, tenant: str | None = None) -> Resp
             params = params.copy(structured_output=constraint)
         if not req.messages:
             raise invalid("messages: must not be empty", "messages")
+        if forced is not None:
+            try:
+                await validate.check_async(forced, llm.model_info)
+            except InvalidRequestError as e:
+                raise invalid(f"tools: a function's parameters cannot be used as a constraint: {e}", "tools") from None
+        elif constraint is not None:
+            await check_compiles(llm, constraint, constraint_field(req, req.response_format))
         prompt = await state.inputs.render_chat(chat_messages(req.messages), tools if tool_mode != "none" else None)
         shaper = ToolCallShaper(tool_mode, tool_name, tool_parser_for(model_type(llm.model_info.model_dir)))
     except Exception as e:

@@ -12,7 +12,7 @@ from paged.core.server.errors import from_exception, invalid
 from paged.core.server.generation import ChoiceFormat, accept, respond
 from paged.core.server.protocol import CompletionRequest, check_limits, sampling_params
 from paged.core.server.state import ServerState
-from paged.core.server.structured import structured_output_of
+from paged.core.server.structured import check_compiles, constraint_field, structured_output_of
 from paged.core.server.streaming import completion_logprobs
 
 
@@ -67,6 +67,7 @@ async def completions(state: ServerState, body: Any, tenant: str | None = None) 
         constraint = structured_output_of(req, validate=llm.input_processor.validate_structured_output)
         if constraint is not None:
             params = params.copy(structured_output=constraint)
+            await check_compiles(llm, constraint, constraint_field(req))
     except Exception as e:
         return from_exception(e).response()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -61,11 +61,15 @@ def rejected(reason: str, http_status: int = 503) -> APIError:
 
 def rejection(outputs) -> APIError | None:
     """The error for a request the policy turned away from the queue (it finished with
-    finish_reason "rejected" before producing anything, the reason in stop_reason), else None."""
+    finish_reason "rejected" before producing anything, the reason in stop_reason), or that a
+    plugin failed on (finish_reason "error": a 500 naming the plugin), else None."""
     for out in outputs:
         for c in out.outputs:
             if c.finish_reason == "rejected":
                 return rejected(str(c.stop_reason or "rejected by the scheduling policy"))
+            if c.finish_reason == "error":
+                return APIError(500, str(c.stop_reason or "the engine failed on this request"), "server_error", None,
+                                "engine_error")
     return None
 
 

@@ -132,6 +132,9 @@ async def respond(state: ServerState, fmt: ChoiceFormat, request_id: str, prompt
             item = first
             while item is not None:
                 i, out = item
+                if any(c.finish_reason == "error" for c in out.outputs):  # a plugin failed on it: say so, end
+                    yield sse(rejection([out]).body())
+                    break
                 prompt_tokens[i] = len(out.prompt_token_ids)
                 choices = []
                 for c in out.outputs:

@@ -64,5 +64,6 @@ class PromptInputs:
                 raise invalid(f"messages: the chat template cannot render them: {e}") from None
             raise
 
-    def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+    def close(self, cancel_pending: bool = True) -> None:
+        """Stop the worker thread; ``cancel_pending=False`` lets the queued work finish first."""
+        self.pool.shutdown(wait=False, cancel_futures=cancel_pending)

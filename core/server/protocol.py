@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from paged.core.config import ServerConfig
+from paged.core.frontend.processor import MAX_TENANT_LEN
 from paged.core.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from paged.core.server.errors import invalid
 
@@ -122,6 +123,17 @@ def parse(model: type[BaseModel], body: Any) -> Any:
         else:
             msg = f"{where}: {first['msg']} (got {short_repr(first.get('input'))})"
         raise invalid(msg, loc[0] if loc else None) from None
+
+
+TENANT_HEADER = "X-Paged-Tenant"
+
+
+def tenant_header(value: str | None) -> str | None:
+    """The ``X-Paged-Tenant`` header (the tenant when the body sets no ``user``), checked like ``user``."""
+    if value is not None and len(value) > MAX_TENANT_LEN:
+        raise invalid(f"{TENANT_HEADER}: header value {short_repr(value)} has {len(value)} characters; at most "
+                      f"{MAX_TENANT_LEN} are accepted", TENANT_HEADER)
+    return value
 
 
 def check_limits(req: CommonRequest, limits: ServerConfig, num_prompts: int) -> None:

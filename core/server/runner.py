@@ -2,7 +2,8 @@
 
 Shutdown (SIGINT/SIGTERM): stop accepting, let in-flight requests finish for
 ``server.shutdown_grace_s``, then end each one still open (a streamed one with an error event and
-``[DONE]``, a non-streamed one with a 503), then stop the engine."""
+``[DONE]``, a non-streamed one with a 503), then stop the engine. The same shutdown follows an
+engine death (``server.on_engine_death``, see ``paged.core.server.state``), with exit code 1."""
 
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def _uvicorn_server_class():
 def run_server(config: EngineConfig, *, access_log: bool = False, log_level: str = "info",
                start_timeout: float = 600.0, make_trace_recorder: Callable[[], Any] | None = None) -> int:
     """Bind ``server.host:server.port`` (before the model loads, so a taken port fails at once),
-    start the engine in the background and serve until SIGINT/SIGTERM. Returns an exit code."""
+    start the engine in the background and serve until SIGINT/SIGTERM. Returns an exit code: 0
+    after SIGINT/SIGTERM, 1 when the engine failed to start or died (and was not restarted)."""
     import socket
 
     import uvicorn
@@ -84,5 +86,6 @@ def run_server(config: EngineConfig, *, access_log: bool = False, log_level: str
         server.run(sockets=[sock])
     finally:
         sock.close()
-    return 1 if app.state.paged.start_error else 0
+    state = app.state.paged
+    return 1 if state.start_error or state.exit_code else 0
 

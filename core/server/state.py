@@ -1,11 +1,22 @@
-"""What the server's handlers share: the engine (once started), its metrics and the served name."""
+"""What the server's handlers share: the engine (once started), its metrics and the served name;
+and the engine's lifecycle: its start in the background and what happens when it dies.
+
+When an engine core dies its pending requests fail at once (``AsyncLLM``), then, as
+``server.on_engine_death`` says: ``exit`` (the default) drains and stops the server with exit code
+1, for a process supervisor to notice; ``restart`` starts a new engine after
+``restart_backoff_s`` (doubled for each restart in a row, at most ``restart_backoff_max_s``; an
+engine that ran that long before dying starts the count again), and exits like ``exit`` once
+``max_restarts`` restarts in a row did not keep it up. /health is 503 until a restart succeeds."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
+from contextlib import suppress
 from pathlib import Path
+from typing import Any, Callable
 
 from paged.core.config import EngineConfig
 from paged.core.frontend.async_llm import AsyncLLM
@@ -13,6 +24,8 @@ from paged.core.server.errors import APIError, ShuttingDown, engine_unavailable,
 from paged.core.server.inputs import PromptInputs
 from paged.core.server.metrics import Metrics
 from paged.core.server.streaming import Tokens
+
+logger = logging.getLogger("paged")
 
 
 class ServerState:
@@ -24,11 +37,19 @@ class ServerState:
         self.cancel_start = threading.Event()
         self.served_model_name: str | None = config.server.served_model_name
         self.created = int(time.time())
-        self.uvicorn_server = None  # set by run_server, to stop when the engine cannot start
+        self.uvicorn_server = None  # set by run_server, to stop when the engine cannot start or dies
         self.tokens: Tokens | None = None
         self.inputs: PromptInputs | None = None
         self.draining = False  # SIGTERM came: new requests get 503, open ones may finish
         self.open_merges: set[asyncio.Queue] = set()  # one per request being answered
+        self.exit_code = 0  # 1 once the server stops because the engine died
+        self.stopping = asyncio.Event()  # the app is shutting down: no more restarts
+        self.start_timeout = 600.0
+        self.restarting: str | None = None  # why the engine is down while a restart is pending
+        self.restarts = 0  # restarts in a row (see the module docstring)
+        self.engine_started_at = 0.0  # time.monotonic() of the current engine's start
+        self.starter: asyncio.Task | None = None  # the engine's first start
+        self.recovery: asyncio.Task | None = None  # handling the engine's death, if it died
 
     def begin_shutdown(self, grace_s: float) -> None:
         """Refuse new requests; after ``grace_s`` end the open ones (error event, then [DONE])."""
@@ -40,15 +61,123 @@ class ServerState:
 
         asyncio.get_running_loop().call_later(grace_s, end_open_requests)
 
+    def engine_down(self) -> str | None:
+        """Why the engine cannot serve now (None while it runs)."""
+        llm = self.llm
+        if llm is None:
+            return self.start_error or "the engine is starting; retry when /health returns 200"
+        if not llm.is_alive:
+            return self.restarting or llm._dead or llm.client.death_message()
+        return None
+
     def require_llm(self) -> AsyncLLM:
         if self.draining:
             raise shutting_down()
-        llm = self.llm
-        if llm is None:
-            raise engine_unavailable(self.start_error or "the engine is starting; retry when /health returns 200")
-        if not llm.is_alive:
-            raise engine_unavailable(llm._dead or llm.client.death_message())
-        return llm
+        reason = self.engine_down()
+        if reason is not None:
+            raise engine_unavailable(reason)
+        return self.llm
+
+    # --- the engine's lifecycle ----------------------------------------------------------------
+    def begin_start(self, start_timeout: float, make_trace_recorder: Callable[[], Any] | None = None) -> None:
+        """Start the engine in the background (the app's startup; see ``close``)."""
+        self.start_timeout = start_timeout
+        self.starter = asyncio.get_running_loop().create_task(self._start_engine(make_trace_recorder),
+                                                              name="paged-engine-start")
+
+    async def _start_engine(self, make_trace_recorder: Callable[[], Any] | None) -> None:
+        """Start the engine (loading blocks: in a thread) and serve it; stop the server if it
+        cannot start."""
+        try:
+            llm = await self._new_engine()
+        except Exception as e:
+            self.start_error = f"the engine failed to start: {e}"
+            logger.error("%s", self.start_error)
+            self._stop_server()
+            return
+        if make_trace_recorder is not None:
+            llm.trace_recorder = make_trace_recorder()
+        self._serve(llm)
+        logger.info("serving model %r", self.served_model_name)
+
+    async def _new_engine(self) -> AsyncLLM:
+        return await asyncio.to_thread(AsyncLLM.from_config, self.config, self.metrics, self.start_timeout,
+                                       self.cancel_start)
+
+    def _serve(self, llm: AsyncLLM) -> None:
+        self.served_model_name = default_served_model_name(self.config)
+        self.tokens = Tokens(llm.tokenizer)
+        old_inputs, self.inputs = self.inputs, PromptInputs(llm)
+        if old_inputs is not None:
+            old_inputs.close(cancel_pending=False)  # a request may still be tokenizing there
+        self.llm = llm
+        self.engine_started_at = time.monotonic()
+        llm.watch(self._engine_died)
+
+    def _engine_died(self, message: str) -> None:
+        if self.draining or self.stopping.is_set():
+            return
+        self.recovery = asyncio.get_running_loop().create_task(self._recover(message), name="paged-engine-recovery")
+
+    async def _recover(self, message: str) -> None:
+        server = self.config.server
+        if server.on_engine_death == "exit":
+            logger.error("%s: the server exits (server.on_engine_death = exit)", message)
+            self._stop_server(exit_code=1)
+            return
+        old = self.llm
+        if time.monotonic() - self.engine_started_at >= server.restart_backoff_max_s:
+            self.restarts = 0  # it ran long enough: this death starts a new count
+        await old.aclose()  # reaps the dead core (and a data-parallel engine's stopped survivors)
+        while self.restarts < server.max_restarts:
+            self.restarts += 1
+            delay = restart_delay(self.restarts, server.restart_backoff_s, server.restart_backoff_max_s)
+            self.restarting = f"{message}; restart {self.restarts} of {server.max_restarts} in {delay:g} s"
+            logger.warning("%s", self.restarting)
+            with suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), delay)
+            if self.stopping.is_set():
+                return
+            try:
+                llm = await self._new_engine()
+            except Exception as e:
+                if self.stopping.is_set():
+                    return
+                message = f"the engine failed to restart: {e}"
+                logger.error("%s", message)
+                continue
+            if self.stopping.is_set():
+                await llm.aclose()
+                return
+            llm.trace_recorder = old.trace_recorder
+            self._serve(llm)
+            self.restarting = None
+            logger.warning("engine restarted (restart %d of %d in a row): serving again", self.restarts,
+                           server.max_restarts)
+            return
+        logger.error("%s; giving up after %d restart(s) in a row (server.max_restarts): the server exits",
+                     message, server.max_restarts)
+        self._stop_server(exit_code=1)
+
+    def _stop_server(self, exit_code: int | None = None) -> None:
+        """Make uvicorn shut down, draining the open requests (nothing to stop under a test client)."""
+        if exit_code is not None:
+            self.exit_code = exit_code
+        if self.uvicorn_server is not None:
+            self.uvicorn_server.should_exit = True
+
+    async def close(self) -> None:
+        """At the app's shutdown: stop a pending start or restart, then the engine."""
+        self.stopping.set()
+        self.cancel_start.set()
+        for task in (self.starter, self.recovery):
+            if task is not None:
+                with suppress(BaseException):
+                    await asyncio.wait_for(task, 30)
+        if self.inputs is not None:
+            self.inputs.close()
+        if self.llm is not None:
+            await self.llm.aclose()
 
     def check_model(self, model: str | None) -> None:
         if model is None:
@@ -70,3 +199,9 @@ def default_served_model_name(config: EngineConfig) -> str:
         return DEFAULT_GGUF.split(".")[0]
     path = Path(config.model.model)
     return path.stem if path.suffix == ".gguf" else path.name
+
+
+def restart_delay(restart: int, first_s: float, max_s: float) -> float:
+    """The wait before the ``restart``-th restart in a row (1, 2, ...): ``first_s`` doubled for
+    each earlier one, at most ``max_s``."""
+    return min(first_s * 2 ** min(restart - 1, 64), max_s)

@@ -33,8 +33,39 @@ def _from_response_format(rf: Any) -> dict[str, Any] | None:
 
 def structured_output_of(req: Any, response_format: Any = None,
                          validate: Callable[[StructuredOutputParams], None] | None = None) -> StructuredOutputParams | None:
-    """The request's constraint (at most one source), checked by ``validate`` (the backend's
-    check) when given; raises a 400 naming the field the client used."""
+    """The request's constraint (at most one source), checked by ``validate`` (the front-end's
+    bounded check) when given; raises a 400 naming the field the client used."""
+    found = _source(req, response_format)
+    if found is None:
+        return None
+    name, fields = found
+    try:
+        params = StructuredOutputParams(**fields)
+        if validate is not None:
+            validate(params)
+    except InvalidRequestError as e:
+        raise invalid(f"{name}: {e}", name) from None
+    return params
+
+
+def constraint_field(req: Any, response_format: Any = None) -> str | None:
+    """The request field that carries its constraint (for errors), if any."""
+    found = _source(req, response_format)
+    return found[0] if found else None
+
+
+async def check_compiles(llm: Any, params: StructuredOutputParams, field: str) -> None:
+    """The engine's full check of a constraint (compiled for the model in a worker process,
+    within a time limit; paged.core.constraint_check), off the event loop; raises a 400 naming
+    ``field``."""
+    try:
+        await llm.input_processor.validate_structured_output.check_async(params, llm.model_info)
+    except InvalidRequestError as e:
+        raise invalid(f"{field}: {e}", field) from None
+
+
+def _source(req: Any, response_format: Any) -> tuple[str, dict[str, Any]] | None:
+    """(field name, StructuredOutputParams fields) of the request's one constraint, or None."""
     sources: dict[str, dict[str, Any]] = {}
     if response_format is not None:
         found = _from_response_format(response_format)
@@ -54,11 +85,4 @@ def structured_output_of(req: Any, response_format: Any = None,
     if len(sources) > 1:
         raise invalid(f"{sorted(sources)[1]}: only one structured-output constraint per request (also got "
                       f"{sorted(sources)[0]})")
-    (name, fields), = sources.items()
-    try:
-        params = StructuredOutputParams(**fields)
-        if validate is not None:
-            validate(params)
-    except InvalidRequestError as e:
-        raise invalid(f"{name}: {e}", name) from None
-    return params
+    return next(iter(sources.items()))
