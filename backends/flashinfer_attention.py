@@ -189,13 +189,13 @@ class FlashInferAttentionBackend:
             self._decode.plan(
                 decode.kv_indptr, gather_kv_indices(batch.block_table, decode), decode.kv_last_page_len, *common,
                 q_data_type=layout.dtype, kv_data_type=layout.dtype, sm_scale=layout.scale,
-            )  # fmt: skip
+            )
         if prefill is not None:
             self._prefill.plan(
                 prefill.qo_indptr, prefill.kv_indptr, gather_kv_indices(batch.block_table, prefill),
                 prefill.kv_last_page_len, *common,
                 causal=True, sm_scale=layout.scale, q_data_type=layout.dtype, kv_data_type=layout.dtype,
-            )  # fmt: skip
+            )
         return FlashInferMetadata(
             num_tokens=batch.num_tokens,
             num_decode_tokens=batch.num_decodes,

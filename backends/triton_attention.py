@@ -269,7 +269,7 @@ class TritonAttentionBackend:
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
             BLOCK_SIZE=block_size, HEAD_DIM=head_dim, WIDTH=width, WIDTH_P=width_p, BLOCK_T=block_t,
             num_warps=4,
-        )  # fmt: skip
+        )
 
     def _attend(self, query, k_cache, v_cache, out, meta: TritonAttentionMetadata, launch: Launch) -> None:
         layout = self.layout
@@ -301,7 +301,7 @@ class TritonAttentionBackend:
             BLOCK_N=self.options.block_n, HEAD_DIM=head_dim, HEAD_DIM_P=self.head_dim_p,
             BLOCK_SIZE=k_cache.shape[1], SPLIT=split, UPCAST=self.upcast, DOT_PRECISION=self.dot_precision,
             num_warps=self.options.num_warps,
-        )  # fmt: skip
+        )
         if split:
             n_tok = launch.tok_hi - launch.tok_lo
             o = out[launch.tok_lo : launch.tok_hi]
@@ -311,7 +311,7 @@ class TritonAttentionBackend:
                 o.stride(0), o.stride(1), o.stride(2),
                 NUM_HEADS=num_heads, HEADS_P=_pow2(num_heads), HEAD_DIM=head_dim, HEAD_DIM_P=self.head_dim_p,
                 num_warps=4,
-            )  # fmt: skip
+            )
 
 
 @functools.cache
@@ -341,7 +341,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         stride_vcb, stride_vco, stride_vch, stride_vcd,
         BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, WIDTH: tl.constexpr, WIDTH_P: tl.constexpr,
         BLOCK_T: tl.constexpr,
-    ):  # fmt: skip
+    ):
         tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         col = tl.arange(0, WIDTH_P)
         head = col // HEAD_DIM
@@ -351,15 +351,15 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         block = slot // BLOCK_SIZE
         offset = slot % BLOCK_SIZE
         k = tl.load(key_ptr + tok[:, None] * stride_kt + head[None, :] * stride_kh + dim[None, :] * stride_kd,
-                    mask=mask, other=0.0)  # fmt: skip
+                    mask=mask, other=0.0)
         v = tl.load(value_ptr + tok[:, None] * stride_vt + head[None, :] * stride_vh + dim[None, :] * stride_vd,
-                    mask=mask, other=0.0)  # fmt: skip
+                    mask=mask, other=0.0)
         k_dst = k_cache_ptr + block[:, None] * stride_kcb + offset[:, None] * stride_kco
         v_dst = v_cache_ptr + block[:, None] * stride_vcb + offset[:, None] * stride_vco
         tl.store(k_dst + head[None, :] * stride_kch + dim[None, :] * stride_kcd,
-                 k.to(k_cache_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+                 k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_dst + head[None, :] * stride_vch + dim[None, :] * stride_vcd,
-                 v.to(v_cache_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+                 v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def paged_attention(
@@ -375,7 +375,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ):  # fmt: skip
+    ):
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -430,12 +430,12 @@ def _kernels(interpret: bool) -> SimpleNamespace:
                 k_cache_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ko + kv_head * stride_kh
                 + dims[None, :] * stride_kd,
                 mask=kv_mask, other=0.0,
-            )  # fmt: skip
+            )
             v = tl.load(
                 v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vo + kv_head * stride_vh
                 + dims[None, :] * stride_vd,
                 mask=kv_mask, other=0.0,
-            )  # fmt: skip
+            )
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -453,7 +453,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         if SPLIT:
             row = (q_begin + tok - tok_offset).to(tl.int64)
             tl.store(out_ptr + split * stride_os + row[:, None] * stride_ot + head[:, None] * stride_oh
-                     + dims[None, :] * stride_od, acc, mask=store_mask)  # fmt: skip
+                     + dims[None, :] * stride_od, acc, mask=store_mask)
             ml = split * stride_ms + row * stride_mt + head * stride_mh
             tl.store(m_ptr + ml, m_i, mask=row_ok)
             tl.store(l_ptr + ml, l_i, mask=row_ok)
@@ -462,7 +462,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
             o = acc / l_safe[:, None]
             row = (q_begin + tok).to(tl.int64)
             tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od,
-                     o.to(out_ptr.dtype.element_ty), mask=store_mask)  # fmt: skip
+                     o.to(out_ptr.dtype.element_ty), mask=store_mask)
 
     @triton.jit
     def merge_splits(
@@ -471,7 +471,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         stride_ms, stride_mt, stride_mh,
         stride_ot, stride_oh, stride_od,
         NUM_HEADS: tl.constexpr, HEADS_P: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-    ):  # fmt: skip
+    ):
         tok = tl.program_id(0).to(tl.int64)
         heads = tl.arange(0, HEADS_P)
         dims = tl.arange(0, HEAD_DIM_P)
@@ -487,13 +487,13 @@ def _kernels(interpret: bool) -> SimpleNamespace:
             m_s = tl.load(m_ptr + s * stride_ms + tok * stride_mt + heads * stride_mh, mask=h_ok, other=-1.0e30)
             l_s = tl.load(l_ptr + s * stride_ms + tok * stride_mt + heads * stride_mh, mask=h_ok, other=0.0)
             a_s = tl.load(acc_ptr + s * stride_as + tok * stride_at + heads[:, None] * stride_ah
-                          + dims[None, :] * stride_ad, mask=mask, other=0.0)  # fmt: skip
+                          + dims[None, :] * stride_ad, mask=mask, other=0.0)
             w = tl.exp2(m_s - m_max)
             l_sum += w * l_s
             o += w[:, None] * a_s
         l_sum = tl.where(l_sum > 0.0, l_sum, 1.0)
         o = o / l_sum[:, None]
         tl.store(out_ptr + tok * stride_ot + heads[:, None] * stride_oh + dims[None, :] * stride_od,
-                 o.to(out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+                 o.to(out_ptr.dtype.element_ty), mask=mask)
 
     return SimpleNamespace(write_kv=write_kv, paged_attention=paged_attention, merge_splits=merge_splits)

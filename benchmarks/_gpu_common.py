@@ -105,4 +105,4 @@ def make_batch(block_tables, computed, new, block_size, device):
         num_reqs=n, num_tokens=int(qsl[-1]), num_decodes=nd, max_query_len=max(new), max_seq_len=max(seq),
         query_start_loc=qsl_t.to(device), seq_lens=seq_t.to(device), block_table=torch.from_numpy(table).to(device),
         slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device), query_start_loc_cpu=qsl_t, seq_lens_cpu=seq_t,
-    )  # fmt: skip
+    )

@@ -35,7 +35,7 @@ def decode_batch(seq_lens: list[int], block_size: int, num_blocks: int, device: 
     qsl = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
     sl = torch.tensor(seq_lens, dtype=torch.int32)
     return BatchInputs(len(seq_lens), len(seq_lens), len(seq_lens), 1, max(seq_lens), qsl.to(device), sl.to(device),
-                       table.to(device), torch.tensor(slots, device=device), qsl, sl)  # fmt: skip
+                       table.to(device), torch.tensor(slots, device=device), qsl, sl)
 
 
 def time_decode(dtype, seq_lens, heads=(9, 3), head_dim=64, block_size=16, device="cpu", iters=100, kernel=False):
@@ -123,7 +123,7 @@ def main() -> None:
         for label, lens in (("uniform", uniform), ("ragged", ragged)):
             best, median = time_decode(dtype, lens, device=args.device, iters=args.iters)
             print(f"decode B={args.batch} ctx={args.context} {label:8s} {str(dtype):15s} "
-                  f"min {best:6.2f}  median {median:6.2f} ms/layer")  # fmt: skip
+                  f"min {best:6.2f}  median {median:6.2f} ms/layer")
 
 
 if __name__ == "__main__":

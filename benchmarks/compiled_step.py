@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
         same = sum(a == b for a, b in zip(eager[0][1], comp[0][1]))
         results[batch] = {"eager_ms": 1e3 * statistics.median(t for t, _ in eager),
                           "compiled_ms": 1e3 * statistics.median(t for t, _ in comp),
-                          "identical_outputs": f"{same}/{batch}"}  # fmt: skip
+                          "identical_outputs": f"{same}/{batch}"}
         results[batch]["speedup"] = results[batch]["eager_ms"] / results[batch]["compiled_ms"]
     report = {"compile_s": compile_s, "inductor_options": options, "batches": results}
     if args.json:

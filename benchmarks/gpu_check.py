@@ -123,7 +123,7 @@ GPU_CASES = [
     Case("16/2 heads x80, block 32", 16, 2, 80, 32, [(33, 1), (500, 1), (64, 100), (0, 77)]),
     Case("8/1 heads x128, block 1", 8, 1, 128, 1, [(40, 1), (5, 1), (20, 30)]),
     Case("4/4 heads x64, block 128", 4, 4, 64, 128, [(300, 1), (129, 1), (200, 90), (0, 3)]),
-]  # fmt: skip
+]
 DRY_CASES = [
     Case("2/1 heads x64, block 4", 2, 1, 64, 4, [(13, 1), (4, 1), (9, 7), (0, 6)]),
     Case("3/1 heads x80, block 8", 3, 1, 80, 8, [(20, 1), (5, 9)]),
@@ -191,7 +191,7 @@ def run_case(case: Case, dtype_name: str, variants, device, seed=0):
         finite = bool(torch.isfinite(out).all())
         cache_equal = all(torch.equal(bits(a), bits(b)) for a, b in zip(cache, torch_cache))
         results[label] = (float(err.nan_to_num(float("inf")).max()), float(err.nan_to_num(0).mean()), finite,
-                          cache_equal, time.perf_counter() - t0)  # fmt: skip
+                          cache_equal, time.perf_counter() - t0)
     return results, float(torch_err.max()), float(torch_err.mean())
 
 
@@ -236,7 +236,7 @@ def section_numerics(args, report: Report, device: str, backends: list[str]) -> 
                     continue
                 max_err, mean_err, finite, cache_equal, secs = r
                 print(f"  {case.name:28} {dtype_name:9} {label:18} {max_err:9.2e} {mean_err:9.2e} {torch_max:9.2e}"
-                      f"  {secs:.1f}s", flush=True)  # fmt: skip
+                      f"  {secs:.1f}s", flush=True)
                 problems = []
                 if not finite:
                     problems.append("non-finite output (read an unused/padding/stale slot?)")
@@ -267,7 +267,7 @@ def synthetic_model(path: Path, *, vocab=2000, hidden=576, layers=4, heads=9, kv
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=1024,
         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, initializer_range=0.1,
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path)
     rng = random.Random(0)
@@ -295,12 +295,12 @@ def resolve_e2e_model(args, workdir: Path) -> tuple[str, list[str], str]:
 
 
 def paged_run(model: str, prompts_file: Path, backend: str, dtype: str, device: str, max_tokens: int,
-              env: dict, timeout: float):  # fmt: skip
+              env: dict, timeout: float):
     cmd = [
         sys.executable, "-m", "paged.core.cli", "run", "-q", "--json", "--model", model,
         "--attention", backend, "--policy", "priority", "--device", device, "--dtype", dtype,
         "--max-tokens", str(max_tokens), "--ignore-eos", "--prompts-file", str(prompts_file),
-    ]  # fmt: skip
+    ]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     secs = time.perf_counter() - t0
@@ -332,7 +332,7 @@ def section_e2e(args, report: Report, device: str, backends: list[str]) -> None:
         print(f"  model: {what}: {model}")
         prompts_file = workdir / "prompts.jsonl"
         prompts_file.write_text("".join(json.dumps({"prompt": p, "priority": i % 3}) + "\n"
-                                        for i, p in enumerate(prompts)))  # fmt: skip
+                                        for i, p in enumerate(prompts)))
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if args.cpu_dry:
             env["TRITON_INTERPRET"] = "1"
@@ -340,7 +340,7 @@ def section_e2e(args, report: Report, device: str, backends: list[str]) -> None:
             max_tokens = args.max_tokens or 3
         else:
             runs = [("torch", "float16"), ("triton", "float16"), ("flashinfer", "float16"),
-                    ("torch", "float32"), ("triton", "float32")]  # fmt: skip
+                    ("torch", "float32"), ("triton", "float32")]
             max_tokens = args.max_tokens or 32
         outputs = {}
         for backend, dtype in runs:
@@ -356,13 +356,13 @@ def section_e2e(args, report: Report, device: str, backends: list[str]) -> None:
                 continue
             try:
                 ids, summary, secs = paged_run(model, prompts_file, backend, dtype, device, max_tokens, env,
-                                               timeout=max(10.0, report.left() - 5))  # fmt: skip
+                                               timeout=max(10.0, report.left() - 5))
             except Exception as e:
                 report.add(f"e2e/{backend}/{dtype}", "FAIL", short_error(e))
                 continue
             outputs[(backend, dtype)] = ids
             print(f"  {backend:10} {dtype:8} {secs:6.1f} s wall, {summary.get('output_tokens_per_s')} output tok/s "
-                  f"(engine), {summary.get('output_tokens')} tokens", flush=True)  # fmt: skip
+                  f"(engine), {summary.get('output_tokens')} tokens", flush=True)
             if backend != "torch" and ("torch", dtype) in outputs:
                 strict = dtype == "float32"
                 ok, detail = compare_greedy(ids, outputs[("torch", dtype)], strict)
@@ -403,7 +403,7 @@ def main(argv=None) -> int:
         device = "cuda"
         props = torch.cuda.get_device_properties(0)
         print(f"GPU: {props.name}, {props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs; "
-              f"torch {torch.__version__}")  # fmt: skip
+              f"torch {torch.__version__}")
     else:
         print("No CUDA GPU: skipping every GPU section (numerics, end to end, throughput).")
         print("Use --cpu-dry to smoke-test this script on the CPU (Triton under its interpreter).")

@@ -70,7 +70,7 @@ def decode_rate(model, backend, layout, batch_size, context, warmup, steps, devi
             block_table=torch.from_numpy(table[:, : cdiv(seq_len, bs)]).to(device, non_blocking=True),
             slot_mapping=torch.from_numpy(slots).to(device, non_blocking=True), query_start_loc_cpu=qsl,
             seq_lens_cpu=seq,
-        )  # fmt: skip
+        )
         positions = torch.full((batch_size,), pos, dtype=torch.long, device=device)
         meta = backend.build_metadata(batch)
         hidden = model(input_ids, positions, caches, meta)
@@ -121,14 +121,14 @@ def section_throughput(args, report: Report, device: str, backends: list[str]) -
     if dry:
         header("3. decode throughput (CPU dry run: tiny model, numbers not meaningful)")
         config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
         dtype, batches = torch.float32, (1, 4)
         context, warmup, steps = args.context or 16, 1, args.steps or 2
     else:
         header("3. decode throughput: random-weight ~1.2B Llama, bf16, eager (no CUDA graphs)")
         config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                              num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
-                             tie_word_embeddings=False)  # fmt: skip
+                             tie_word_embeddings=False)
         dtype, batches = torch.bfloat16, (1, 32, 128)
         context, warmup, steps = args.context or 512, 3, args.steps or 20
     layers, H, Hkv = config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads
@@ -156,7 +156,7 @@ def section_throughput(args, report: Report, device: str, backends: list[str]) -
                 weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
                 weight_bytes -= embed.numel() * embed.element_size() - embed.shape[1] * embed.element_size()
                 print(f"  model: {params / 1e9:.2f} B parameters, {weight_bytes / 1e9:.2f} GB read per step "
-                      f"(all weights but the embedding table), context {context}")  # fmt: skip
+                      f"(all weights but the embedding table), context {context}")
             set_backend(model, backend)
             for b in batches:
                 if report.left() < 10:

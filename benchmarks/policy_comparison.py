@@ -43,7 +43,7 @@ SCENARIOS = [
      ["fcfs", "srpt", "srpt:preemptive=true"]),
     ("deadline", dict(num_requests=400, rate=20.0), dict(num_blocks=2048, max_num_seqs=16, max_num_batched_tokens=1024),
      ["fcfs", "priority", "slo"]),
-]  # fmt: skip
+]
 
 
 def synthetic_cost() -> CostModel:
@@ -55,7 +55,7 @@ def simulate(trace, policy: str, settings: SimSettings, cost: CostModel, label: 
     run = PolicyRun.parse(policy)
     _, options, instance = run.build()
     result = run_replay(materialize(trace), SimExecutor(instance, settings), cost=cost, label=label or run.label,
-                        policy=run.name, options=options.model_dump() if options is not None else {})  # fmt: skip
+                        policy=run.name, options=options.model_dump() if options is not None else {})
     return summarize(result), result
 
 
@@ -73,9 +73,9 @@ def real(trace, policies: list[str], settings: dict, time_scale: float, labels: 
 
     config = load_config(None, {"device": "cpu", "cache": {"num_blocks": settings["num_blocks"]},
                                 "scheduler": {"max_num_seqs": settings["max_num_seqs"],
-                                              "max_num_batched_tokens": settings["max_num_batched_tokens"]}})  # fmt: skip
+                                              "max_num_batched_tokens": settings["max_num_batched_tokens"]}})
     results = replay_trace(trace, [PolicyRun.parse(p) for p in policies], config, mode="wall", time_scale=time_scale,
-                           log=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip
+                           log=lambda m: print(m, file=sys.stderr, flush=True))
     summaries = [summarize(r) for r in results]
     for s, label in zip(summaries, labels or []):
         s["label"] = label
@@ -108,7 +108,7 @@ def _ms(x) -> str:
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| workload | policy | TTFT p50 / p99 | e2e mean / p99 | light tenants' TTFT p99 | Jain | prefix hits | "
-             "tok/s | deadline met | goodput req/s | rejected |", "|" + "---|" * 11]  # fmt: skip
+             "tok/s | deadline met | goodput req/s | rejected |", "|" + "---|" * 11]
     for row in rows:
         for s in row["summaries"]:
             a = s["all"]
@@ -120,7 +120,7 @@ def markdown(rows: list[dict]) -> str:
                 f"{100 * a['prefix_cache_hit_rate']:.1f}% | {a['total_throughput']:.0f} | "
                 f"{'-' if a['deadline_met'] is None else format(100 * a['deadline_met'], '.1f') + '%'} | "
                 f"{a['goodput']:.2f} | {a['rejected']} |"
-            )  # fmt: skip
+            )
     return "\n".join(lines)
 
 

@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     # Every phase against HF one prompt at a time (a), on the prompts (a) ran (all with --hf-single-prompts N).
     hf_self = agreement(b["token_ids"], a["token_ids"], "b")
     checks = {name: verify_ids(phase["token_ids"], a["token_ids"], args.dtype, name, hf_self)
-              for name, phase in (("c", c), ("d", d))}  # fmt: skip
+              for name, phase in (("c", c), ("d", d))}
     ids_agreement = {"b": hf_self, **{k: v for k, (v, _) in checks.items()}}
     failures = [f for _, f in checks.values() if f]
     print(f"greedy ids vs HF one at a time (a), mean matching prefix over {len(a['token_ids'])} prompts: "

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
         llm.generate([prompt], params, use_tqdm=False)
         times.append(time.perf_counter() - start)
     print(json.dumps({"package": paged.__file__, "prompt_tokens": args.prompt_tokens,
-                      "ttft_best_s": min(times), "ttft_median_s": statistics.median(times)}))  # fmt: skip
+                      "ttft_best_s": min(times), "ttft_median_s": statistics.median(times)}))
 
 
 if __name__ == "__main__":

@@ -101,7 +101,7 @@ def run_scenario(
     cached = [i for i, (c, _) in enumerate(requests) if c > 0]
     if prefix_via_forward and cached:
         batch = make_batch([block_tables[i] for i in cached], [0] * len(cached), [requests[i][0] for i in cached],
-                           block_size, device)  # fmt: skip
+                           block_size, device)
         meta = backend.build_metadata(batch)
         prefix_q = [rand(requests[i][0], num_heads, head_dim) for i in cached]
         for layer in range(layers):
@@ -109,7 +109,7 @@ def run_scenario(
             value = torch.cat([ctx_v[layer][i][: requests[i][0]] for i in cached]).to(device)
             out = backend.forward(torch.cat(prefix_q).to(device), key, value, caches[layer], meta)
             check(out, [(pq, ctx_k[layer][i][: requests[i][0]], ctx_v[layer][i][: requests[i][0]])
-                        for pq, i in zip(prefix_q, cached)], layout)  # fmt: skip
+                        for pq, i in zip(prefix_q, cached)], layout)
     else:
         for layer in range(layers):
             k_cache, v_cache = caches[layer]
@@ -163,7 +163,7 @@ def test_slot_mapping_writes_to_block_and_offset():
     batch = make_batch([[5, 2]], [6], [1], block_size=4)
     assert batch.slot_mapping.tolist() == [10] and batch.num_decodes == 1
     backend.forward(torch.randn(1, 2, 3), torch.full((1, 2, 3), 7.0), torch.full((1, 2, 3), -7.0),
-                    (k_cache, v_cache), backend.build_metadata(batch))  # fmt: skip
+                    (k_cache, v_cache), backend.build_metadata(batch))
     expected[2, 2] = 7.0
     assert torch.equal(k_cache, expected) and torch.equal(v_cache, -expected)
 
@@ -176,7 +176,7 @@ def test_mixed_batch_fp32(block_size, heads, kernel):
     # of context), then chunks after a cached prefix, one without, one of a single token
     requests = [(16, 1), (4, 1), (1, 1), (23, 1), (12, 7), (0, 9), (5, 1), (30, 3)]
     run_scenario(requests, num_heads=heads[0], num_kv_heads=heads[1], block_size=block_size, seed=block_size,
-                 kernel=kernel)  # fmt: skip
+                 kernel=kernel)
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -204,7 +204,7 @@ def test_random_shapes(seed):
 def test_mixed_batch_half(dtype, device, kernel):
     requests = [(40, 1), (7, 1), (33, 1), (20, 12), (0, 17)]
     run_scenario(requests, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype, device=device,
-                 kernel=kernel)  # fmt: skip
+                 kernel=kernel)
 
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "gather"])
@@ -212,7 +212,7 @@ def test_mixed_batch_half(dtype, device, kernel):
 def test_layers_share_metadata(device, kernel):
     # three layers, one metadata per step: the gather buffers are reused and must not leak across
     run_scenario([(9, 1), (3, 1), (6, 5)], layers=3, block_size=4, device=device, prefix_via_forward=False,
-                 kernel=kernel)  # fmt: skip
+                 kernel=kernel)
 
 
 def test_decodes_without_padding_and_prefill_only():
@@ -239,13 +239,13 @@ def test_block_zero_in_use_and_unused_blocks_untouched(kernel):
     v = [torch.randn(n + 1, 2, 8, generator=gen) for n in lens]
     tables = [[0, 6], [7, 1, 4]]
     backend.forward(torch.randn(8, 4, 8), torch.cat([k[0][:3], k[1][:5]]), torch.cat([v[0][:3], v[1][:5]]),
-                    (k_cache, v_cache), backend.build_metadata(make_batch(tables, [0, 0], lens, 2)))  # fmt: skip
+                    (k_cache, v_cache), backend.build_metadata(make_batch(tables, [0, 0], lens, 2)))
     for unused in (k_cache[[2, 3, 5]], v_cache[[2, 3, 5]], k_cache[[6, 4], 1], v_cache[[6, 4], 1]):
         assert torch.isnan(unused).all()
     # decode: request 0 gathers [0, 6, 0 (padding)]
     q = torch.randn(2, 4, 8, generator=gen)
     out = backend.forward(q, torch.stack([k[0][3], k[1][5]]), torch.stack([v[0][3], v[1][5]]), (k_cache, v_cache),
-                          backend.build_metadata(make_batch(tables, lens, [1, 1], 2)))  # fmt: skip
+                          backend.build_metadata(make_batch(tables, lens, [1, 1], 2)))
     check(out, [(q[i : i + 1], k[i], v[i]) for i in range(2)], layout)
 
 
@@ -256,7 +256,7 @@ def test_output_dtype_follows_query():
     [kv] = backend.allocate_kv_cache(4)
     batch = make_batch([[2, 3]], [0], [6], block_size=4)
     out = backend.forward(torch.randn(6, 4, 16), torch.randn(6, 2, 16), torch.randn(6, 2, 16), kv,
-                          backend.build_metadata(batch))  # fmt: skip
+                          backend.build_metadata(batch))
     assert out.dtype == torch.float32 and out.shape == (6, 4, 16) and torch.isfinite(out).all()
 
 

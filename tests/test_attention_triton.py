@@ -209,7 +209,7 @@ def test_plugin_registers_backends(monkeypatch):
     specs = get_registry().attention_backends  # the bundled plugin, through its entry point
     assert {n: specs[n].auto_priority for n in ("torch", "triton", "flashinfer")} == {
         "torch": 0, "triton": 10, "flashinfer": 20,
-    }  # fmt: skip
+    }
     assert specs["triton"].options is TritonAttentionOptions
     assert isinstance(specs["triton"].factory(make_layout(), None), TritonAttentionBackend)
     config = load_config(overrides={"attention": {"backend": "triton", "options": {"block_n": 32}}})
@@ -220,7 +220,7 @@ def test_plugin_registers_backends(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     assert resolve_plugins(load_config(), device="cpu").attention.name == "torch"
     with pytest.raises(ConfigError, match="'triton' cannot run here: Triton kernels need a CUDA GPU.*work on this "
-                       "machine: torch"):  # fmt: skip
+                       "machine: torch"):
         resolve_plugins(load_config(overrides={"attention": {"backend": "triton"}}), device="cpu")
 
 
@@ -243,7 +243,7 @@ def tiny_llama(tmp_path_factory, default_model_dir):
         # untied and not too small: with tied tiny weights the argmax is the input token whatever the
         # attention computes; like this a 10% error in the attention output changes the tokens
         tie_word_embeddings=False, initializer_range=0.1,
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):

@@ -49,7 +49,7 @@ def hf_greedy_and_logits(model, prompt_ids: list[int], max_new: int) -> tuple[li
             torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
             max_new_tokens=max_new, do_sample=False, pad_token_id=0, output_logits=True,
             return_dict_in_generate=True,
-        )  # fmt: skip
+        )
     ids = out.sequences[0, len(prompt_ids) :].tolist()
     return ids, torch.stack([row[0].float() for row in out.logits])
 

@@ -31,7 +31,7 @@ def test_compiled_small_steps_give_the_eager_greedy_tokens(tmp_path, default_mod
     model_dir = str(tmp_path)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     common = dict(device="cpu", dtype="float32", attention="torch", quantization="int4",
-                  quantization_options={"dense_copy": False}, num_kv_blocks=64)  # fmt: skip
+                  quantization_options={"dense_copy": False}, num_kv_blocks=64)
     eager = LLM(model_dir, **common)
     expected = [eager.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in _prompts()]
     together = [o.outputs[0].token_ids for o in eager.generate(_prompts(), params, use_tqdm=False)]

@@ -93,7 +93,7 @@ def test_kernel_matches_brute_force(kernel, dtype, head_dim, block_size, group):
     # and one past it (the online softmax's rescale), and uneven lengths
     lens = [1, block_size, block_size + 1, 2 * block_size, 64, 65, 37, 150]
     case = make_case(lens, num_kv_heads=2, group=group, head_dim=head_dim, block_size=block_size, dtype=dtype,
-                     seed=block_size + group)  # fmt: skip
+                     seed=block_size + group)
     check(kernel, *case)
 
 
@@ -108,7 +108,7 @@ def test_rescaling_across_tiles(kernel):
     # large scores: the running max grows tile after tile (and then not), so every rescale path
     # of the online softmax matters; the softmax is nearly one-hot, unforgiving of a missed rescale
     q, k_cache, v_cache, table, lens = make_case([300, 129, 64], num_kv_heads=1, group=4, head_dim=64,
-                                                 block_size=16, dtype=torch.float32, q_gain=6.0)  # fmt: skip
+                                                 block_size=16, dtype=torch.float32, q_gain=6.0)
     for b, n in enumerate(lens.tolist()):  # later positions align more and more with the query
         for p in range(n):
             blk, off = table[b, p // 16], p % 16
@@ -119,7 +119,7 @@ def test_rescaling_across_tiles(kernel):
 def test_strided_query_output_and_block_table(kernel):
     # q and out as views with row strides (as slices of a larger step), block-table rows strided
     q, k_cache, v_cache, table, lens = make_case([17, 3, 40], num_kv_heads=2, group=3, head_dim=64, block_size=8,
-                                                 dtype=torch.float32)  # fmt: skip
+                                                 dtype=torch.float32)
     q_big = torch.randn(5, 8, 70)
     q_big[1:4, 1:7, :64] = q
     wide_table = torch.zeros(3, table.shape[1] + 5, dtype=torch.int32)
@@ -165,7 +165,7 @@ def test_split_kv_for_small_batches(kernel, dtype, lens):
 
 def test_rejects_bad_inputs(kernel):
     q, k_cache, v_cache, table, lens = make_case([5], num_kv_heads=2, group=2, head_dim=16, block_size=4,
-                                                 dtype=torch.float32)  # fmt: skip
+                                                 dtype=torch.float32)
     out = torch.empty_like(q)
     with pytest.raises(RuntimeError, match="share a dtype"):
         kernel(q.bfloat16(), k_cache, v_cache, table, lens, 0.25, out)

@@ -188,7 +188,7 @@ def test_paged_config_shows_what_will_run_with_typed_values(capsys):
     from default_model import default_gguf
 
     rc, out, _ = _main(["config", "--json", "--device", "cpu", "--policy", "priority",
-                        "--policy-option", "aging_s=5", "--api-key", "secret"], capsys)  # fmt: skip
+                        "--policy-option", "aging_s=5", "--api-key", "secret"], capsys)
     assert rc == 0
     doc = json.loads(out)
     assert doc["scheduler"]["policy_options"] == {"aging_s": 5.0}  # a number, not "5"
@@ -240,7 +240,7 @@ def test_cpu_kernel_build_is_announced_and_timed(tmp_path, monkeypatch, caplog):
 def small_trace(tmp_path, capsys):
     path = tmp_path / "t.jsonl"
     assert _main(["lab", "gen", "-q", "--out", str(path), "--num-requests", "12", "--rate", "20",
-                  "--prompt-len", "32", "--output-len", "8", "--seed", "3"], capsys)[0] == 0  # fmt: skip
+                  "--prompt-len", "32", "--output-len", "8", "--seed", "3"], capsys)[0] == 0
     return path
 
 
@@ -248,13 +248,13 @@ def test_replay_without_matplotlib_prints_the_table_then_says_why_no_plots(small
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
     out_dir = tmp_path / "out"
     rc, out, err = _main(["lab", "replay", str(small_trace), "--simulate", "const:0.01", "--num-kv-blocks", "64",
-                          "--max-model-len", "256", "--policy", "fcfs", "--out-dir", str(out_dir)], capsys)  # fmt: skip
+                          "--max-model-len", "256", "--policy", "fcfs", "--out-dir", str(out_dir)], capsys)
     assert rc == 1
     assert "12 requests" in out and "fcfs" in out and "ttft" in out.lower()  # the results came out
     assert "pip install 'paged[plots]'" in err and "--no-plots" in err
     assert not out_dir.exists()
     rc, out, err = _main(["lab", "replay", "-q", str(small_trace), "--simulate", "const:0.01", "--num-kv-blocks", "64",
-                          "--max-model-len", "256", "--no-plots"], capsys)  # fmt: skip
+                          "--max-model-len", "256", "--no-plots"], capsys)
     assert rc == 0 and "matplotlib" not in err
 
 
@@ -272,15 +272,15 @@ def test_simulating_outside_the_calibrated_settings_warns(small_trace, tmp_path,
 
     cost = CostModel.constant(0.01)
     cost.engine = {"num_blocks": 64, "block_size": 16, "max_model_len": 256, "max_num_seqs": 16,
-                   "max_num_batched_tokens": 512, "dtype": "torch.float32", "attention": "torch"}  # fmt: skip
+                   "max_num_batched_tokens": 512, "dtype": "torch.float32", "attention": "torch"}
     cost.validation = {"rel_errors": {"ttft_mean": -0.55, "tpot_mean": 0.02}}
     path = tmp_path / "cost.json"
     cost.save(path)
     rc, _, err = _main(["lab", "replay", str(small_trace), "--simulate", str(path), "--no-plots",
-                        "--max-num-seqs", "128"], capsys)  # fmt: skip
+                        "--max-num-seqs", "128"], capsys)
     assert rc == 0
     assert "scheduler.max_num_seqs 128 is beyond the calibrated 16" in err
     assert "poor fit" in err and "ttft_mean -55%" in err
     rc, _, err = _main(["lab", "replay", str(small_trace), "--simulate", str(path), "--no-plots",
-                        "--max-num-seqs", "8", "--max-num-batched-tokens", "256"], capsys)  # fmt: skip
+                        "--max-num-seqs", "8", "--max-num-batched-tokens", "256"], capsys)
     assert rc == 0 and "extrapolates" not in err

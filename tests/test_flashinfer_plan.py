@@ -34,7 +34,7 @@ def make_batch(block_tables, computed_lens, query_lens, block_size, pad_cols=2) 
         num_reqs=num_reqs, num_tokens=int(qsl[-1]), num_decodes=num_decodes, max_query_len=max(query_lens),
         max_seq_len=max(seq_lens), query_start_loc=qsl_t.clone(), seq_lens=seq_t.clone(), block_table=table,
         slot_mapping=torch.tensor(slots, dtype=torch.int64), query_start_loc_cpu=qsl_t, seq_lens_cpu=seq_t,
-    )  # fmt: skip
+    )
 
 
 def as_lists(arrays: fi.PagedKVArrays, block_table: torch.Tensor) -> dict:
@@ -138,7 +138,7 @@ def test_random_batches_reconstruct_the_context(seed):
     seq = batch.seq_lens_cpu.tolist()
     nd = batch.num_decodes
     for arrays, rows in ((fi.decode_plan_arrays(batch, page), range(nd)),
-                         (fi.prefill_plan_arrays(batch, page), range(nd, batch.num_reqs))):  # fmt: skip
+                         (fi.prefill_plan_arrays(batch, page), range(nd, batch.num_reqs))):
         if not len(rows):
             assert arrays is None
             continue
@@ -186,11 +186,11 @@ def test_auto_prefers_flashinfer_on_cuda(monkeypatch):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name in ("flashinfer", "triton")
-                        else real(name, *a))  # fmt: skip
+                        else real(name, *a))
     assert resolve_plugins(load_config(), device="cuda").attention.name == "flashinfer"
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "triton" else
-                        None if name == "flashinfer" else real(name, *a))  # fmt: skip
+                        None if name == "flashinfer" else real(name, *a))
     assert resolve_plugins(load_config(), device="cuda").attention.name == "triton"
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("flashinfer", "triton")
-                        else real(name, *a))  # fmt: skip
+                        else real(name, *a))
     assert resolve_plugins(load_config(), device="cuda").attention.name == "torch"

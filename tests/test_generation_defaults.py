@@ -18,7 +18,7 @@ def test_generation_defaults_maps_the_explicit_fields(tmp_path, caplog):
     assert generation_defaults(tmp_path) == {}
     (tmp_path / "generation_config.json").write_text(json.dumps({
         "bos_token_id": 1, "do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05,
-        "repetition_penalty": 1.1, "max_new_tokens": 7}))  # fmt: skip
+        "repetition_penalty": 1.1, "max_new_tokens": 7}))
     assert generation_defaults(tmp_path) == {
         "temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "max_tokens": 7}
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "top_p": 5}))
@@ -65,7 +65,7 @@ def test_paged_run_stays_greedy_over_a_sampling_generation_config(tiny_dir, tmp_
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": PROMPT}) + "\n")
     rc = main(["run", "--json", "--model", str(path), "--device", "cpu", "--attention", "torch", "--num-kv-blocks", "16",
-               "--max-model-len", "64", "--max-tokens", "6", "--ignore-eos", "--prompts-file", str(prompts)])  # fmt: skip
+               "--max-model-len", "64", "--max-tokens", "6", "--ignore-eos", "--prompts-file", str(prompts)])
     assert rc == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["requests"][0]["token_ids"] == hf_tokens

@@ -47,7 +47,7 @@ def tiny_model(tmp_path_factory, default_model_dir):
     path = tmp_path_factory.mktemp("tiny-lab-llama")
     save_tiny_llama(path, default_model_dir, vocab_size=49152, hidden_size=32, intermediate_size=64,
                     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
-                    bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)  # fmt: skip
+                    bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
     return str(path)
 
 
@@ -56,7 +56,7 @@ def tiny_config(model: str, **scheduler):
         "device": "cpu", "model": {"model": model, "max_model_len": 512},
         "cache": {"num_blocks": 96, "block_size": 16},
         "scheduler": {"max_num_seqs": 6, "max_num_batched_tokens": 256, **scheduler},
-    })  # fmt: skip
+    })
 
 
 def small_trace(seed: int = 3, n: int = 24, rate: float = 60.0) -> Trace:
@@ -64,7 +64,7 @@ def small_trace(seed: int = 3, n: int = 24, rate: float = 60.0) -> Trace:
         num_requests=n, rate=rate, arrival="bursty", burstiness=0.3, prompt_len_median=40, prompt_len_max=160,
         output_len_median=10, output_len_min=2, output_len_max=24, shared_prefix_frac=0.4, num_prefixes=2,
         prefix_len=32, priority_classes=2, priority_weights=[0.25, 0.75], seed=seed,
-    ))  # fmt: skip
+    ))
 
 
 SIM_SETTINGS = dict(num_blocks=60, block_size=16, max_num_seqs=4, max_num_batched_tokens=512, max_model_len=2048)
@@ -75,13 +75,13 @@ def sim_config(**scheduler):
         "model": {"max_model_len": SIM_SETTINGS["max_model_len"]}, "cache": {"num_blocks": SIM_SETTINGS["num_blocks"]},
         "scheduler": {"max_num_seqs": SIM_SETTINGS["max_num_seqs"],
                       "max_num_batched_tokens": SIM_SETTINGS["max_num_batched_tokens"], **scheduler},
-    })  # fmt: skip
+    })
 
 
 # --- traces ---------------------------------------------------------------------------------------------
 def test_trace_round_trip_and_seeded_generator(tmp_path):
     spec = GeneratorSpec(num_requests=50, rate=5, arrival="bursty", shared_prefix_frac=0.5, priority_classes=3,
-                         priority_weights=[0.2, 0.3, 0.5], seed=7)  # fmt: skip
+                         priority_weights=[0.2, 0.3, 0.5], seed=7)
     trace = generate_trace(spec)
     # hand-written lines: every prompt kind, sampling fields, cache salt
     trace.requests += [
@@ -137,10 +137,10 @@ def test_bad_trace_lines_name_the_line_and_field(tmp_path):
 # --- simulation ------------------------------------------------------------------------------------------
 def test_simulation_is_deterministic_step_by_step():
     trace = generate_trace(GeneratorSpec(num_requests=150, rate=30, arrival="bursty", shared_prefix_frac=0.3,
-                                         prompt_len_max=600, priority_classes=2, seed=11))  # fmt: skip
+                                         prompt_len_max=600, priority_classes=2, seed=11))
     cost = CostModel([0.004, 2e-5, 1e-4, 2e-4, 3e-4, 1e-3, 0.01])
     runs = [replay_trace(trace, [PolicyRun("fcfs"), PolicyRun("priority")], sim_config(), mode="sim", cost=cost)
-            for _ in range(2)]  # fmt: skip
+            for _ in range(2)]
     for first, second in zip(*runs):
         assert first.schedule_digest == second.schedule_digest
         assert [(s.schedule_key(), s.t_start, s.t_end) for s in first.steps] == [
@@ -159,7 +159,7 @@ def priority_report(tmp_path_factory):
     code = paged_main(["lab", "gen", "-q", "--out", str(trace_path), "--num-requests", "200", "--rate", "8",
                        "--arrival", "bursty", "--burstiness", "0.2", "--priority-classes", "2",
                        "--priority-weights", "0.2,0.8", "--prompt-len", "200", "--prompt-len-max", "600",
-                       "--output-len", "48", "--seed", "5"])  # fmt: skip
+                       "--output-len", "48", "--seed", "5"])
     assert code == 0
     out_dir = tmp / "out"
     # The replay runs here, not in the first test that needs it: every test gets its output
@@ -168,7 +168,7 @@ def priority_report(tmp_path_factory):
     with contextlib.redirect_stdout(stdout):
         code = paged_main(["lab", "replay", "-q", str(trace_path), "--simulate", "const:0.02", "--policy", "fcfs",
                            "--policy", "priority", "--num-kv-blocks", "60", "--max-num-seqs", "4",
-                           "--max-model-len", "2048", "--slo-ttft", "1.0", "--out-dir", str(out_dir), "--html", "--json"])  # fmt: skip
+                           "--max-model-len", "2048", "--slo-ttft", "1.0", "--out-dir", str(out_dir), "--html", "--json"])
     assert code == 0
     return out_dir, json.loads(stdout.getvalue())
 
@@ -221,7 +221,7 @@ def test_policy_specs_and_options():
     from paged.core.cli.main import build_parser
 
     args = build_parser().parse_args(["lab", "replay", "t.jsonl", "--policy", "fcfs", "--policy", "priority",
-                                      "--policy-option", "aging_s=2", "--policy", "priority:aging_s=9"])  # fmt: skip
+                                      "--policy-option", "aging_s=2", "--policy", "priority:aging_s=9"])
     assert [r.label for r in args.lab_policies] == ["fcfs", "priority:aging_s=2", "priority:aging_s=9"]
 
 
@@ -260,7 +260,7 @@ def test_paged_run_records_a_trace_that_replays(tiny_model, tmp_path, capsys):
     path = tmp_path / "served.jsonl"
     code = paged_main(["run", "-q", "--model", tiny_model, "--device", "cpu", "--num-kv-blocks", "64",
                        "--max-tokens", "5", "--ignore-eos", "--priority", "1", "--record-trace", str(path),
-                       "Hello there", "The capital of France is"])  # fmt: skip
+                       "Hello there", "The capital of France is"])
     assert code == 0
     capsys.readouterr()
     trace = read_trace(path)
@@ -270,17 +270,17 @@ def test_paged_run_records_a_trace_that_replays(tiny_model, tmp_path, capsys):
     assert first.priority == 1 and first.sampling["temperature"] == 0.0 and first.sampling["ignore_eos"] is True
     results = replay_trace(trace, [], load_config(overrides={"model": {"max_model_len": 512},
                                                             "cache": {"num_blocks": 64}}),
-                           mode="sim", cost=CostModel.constant(0.01))  # fmt: skip
+                           mode="sim", cost=CostModel.constant(0.01))
     assert [r.num_generated for r in results[0].requests] == [5, 5]
     assert [r.prompt_len for r in results[0].requests] == [len(r.prompt_token_ids) for r in trace.requests]
 
 
 def test_calibrate_replay_and_validate_from_the_command_line(tiny_model, tmp_path, capsys):
     engine_flags = ["--model", tiny_model, "--device", "cpu", "--num-kv-blocks", "96", "--max-num-seqs", "6",
-                    "--max-model-len", "512", "--max-num-batched-tokens", "256"]  # fmt: skip
+                    "--max-model-len", "512", "--max-num-batched-tokens", "256"]
     cost_path = tmp_path / "cost.json"
     assert paged_main(["lab", "calibrate", "-q", "--out", str(cost_path), "--clock", "cpu", "--scale", "0.5",
-                       "--no-validate", *engine_flags]) == 0  # fmt: skip
+                       "--no-validate", *engine_flags]) == 0
     assert "R^2" in capsys.readouterr().out
     cost = CostModel.load(cost_path)
     assert cost.clock == "cpu" and cost.engine["num_blocks"] == 96 and cost.engine["max_model_len"] == 512
@@ -289,7 +289,7 @@ def test_calibrate_replay_and_validate_from_the_command_line(tiny_model, tmp_pat
     trace = tmp_path / "t.jsonl"
     write_trace(trace, small_trace(n=16))
     assert paged_main(["lab", "replay", "-q", str(trace), "--simulate", str(cost_path), "--policy", "priority",
-                       "--no-plots", "--json"]) == 0  # fmt: skip
+                       "--no-plots", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["meta"]["settings"]["num_blocks"] == 96 and doc["meta"]["cost_model"]["clock"] == "cpu"
     assert doc["summaries"][0]["all"]["finished"] == 16
@@ -316,7 +316,7 @@ def example_plugin_site(tmp_path_factory):
         [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
          "--target", str(target), str(src)],
         capture_output=True, text=True,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return target
 
@@ -330,7 +330,7 @@ def test_a_third_party_policy_replays_in_the_simulator_with_its_option(example_p
          "--num-kv-blocks", "60", "--max-num-seqs", "4", "--max-model-len", "1024", "--policy", "fcfs",
          "--policy", "shortest-first", "--policy-option", "tokens_per_s=3", "--no-plots", "--json"],
         capture_output=True, text=True, env=env,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     labels = [s["label"] for s in doc["summaries"]]
@@ -342,13 +342,13 @@ def test_a_third_party_policy_replays_in_the_simulator_with_its_option(example_p
         [sys.executable, "-m", "paged.core.cli", "lab", "replay", "-q", str(trace), "--simulate", "const:0.01",
          "--num-kv-blocks", "60", "--policy", "shortest-first:tokens_per_s=-2", "--no-plots"],
         capture_output=True, text=True, env=env,
-    )  # fmt: skip
+    )
     assert bad.returncode == 2 and "tokens_per_s" in bad.stderr, bad.stderr
 
 
 def test_table_formatting_lists_every_policy_column():
     results = replay_trace(small_trace(n=12), [PolicyRun("fcfs"), PolicyRun.parse("priority:aging_s=1")],
-                           sim_config(), mode="sim", cost=CostModel.constant(0.01))  # fmt: skip
+                           sim_config(), mode="sim", cost=CostModel.constant(0.01))
     table = format_table([summarize(r, slo_ttft=0.5) for r in results])
     header = table.splitlines()[0]
     assert "fcfs" in header and "priority:aging_s=1" in header

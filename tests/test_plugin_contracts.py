@@ -232,7 +232,7 @@ def test_a_policy_failing_on_arrival_refuses_that_request(tiny, registry):
      r"quantization method 'faulty-quant' \(plugin 'faulty'\) raised in linear: FloatingPointError: kernel overflow"),
     ({"name": "exploding"}, "token 4242",
      r"model 'ExplodingLlamaForCausalLM' \(plugin 'faulty'\) raised in forward: RuntimeError: forward exploded"),
-])  # fmt: skip
+])
 def test_a_fatal_plugin_failure_stops_the_engine_with_a_message_naming_it(tiny, registry, settings, trigger, expected):
     from paged import SamplingParams
     from paged.core.errors import EngineError

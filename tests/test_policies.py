@@ -34,7 +34,7 @@ class Clock:
 def make(policy, clock=None, num_blocks=256, block_size=4, max_num_seqs=8, budget=64):
     kv = KVCacheManager(num_blocks, block_size, enable_caching=True)
     return Scheduler(policy, kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=512,
-                     clock=clock or Clock())  # fmt: skip
+                     clock=clock or Clock())
 
 
 def req(rid, n=8, max_tokens=4, arrival=0.0, tokens=None, tenant=None, deadline=None, base=None):
@@ -43,7 +43,7 @@ def req(rid, n=8, max_tokens=4, arrival=0.0, tokens=None, tenant=None, deadline=
     start = base or 1000 + 8 * (zlib.crc32(rid.encode()) % 1100)
     tokens = tokens if tokens is not None else list(range(start, start + n))
     return Request(rid, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_time=arrival,
-                   max_tokens=max_tokens, tenant=tenant, deadline=deadline)  # fmt: skip
+                   max_tokens=max_tokens, tenant=tenant, deadline=deadline)
 
 
 def step(sched, token=7):
@@ -328,7 +328,7 @@ def _schedule_trace(policy, seed: int) -> list:
             for _ in range(rng.randrange(1, 4)):
                 tokens = rng.choice(prefixes) + [rng.randrange(1, 999) for _ in range(rng.randrange(1, 12))]
                 sched.add_request(req(f"q{pending}", tokens=tokens, max_tokens=rng.randrange(1, 6), arrival=clock.t,
-                                      tenant=rng.choice(["heavy"] * 4 + ["x", "y"])))  # fmt: skip
+                                      tenant=rng.choice(["heavy"] * 4 + ["x", "y"])))
                 pending += 1
         out = step(sched)
         trace.append([(s.request.request_id, s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled])
@@ -434,7 +434,7 @@ def test_llm_takes_tenant_and_deadline_and_reports_rejections(default_model_dir)
     from paged.core.errors import InvalidRequestError
 
     llm = LLM(default_model_dir, device="cpu", attention="torch", max_num_seqs=4, num_kv_blocks=64,
-              policy="slo", policy_options={"initial_step_time_s": 0.5})  # fmt: skip
+              policy="slo", policy_options={"initial_step_time_s": 0.5})
     try:
         with pytest.raises(InvalidRequestError, match="deadline_s: invalid value -1"):
             llm.generate("Hi", Params(max_tokens=2), deadline_s=-1, use_tqdm=False)
@@ -445,7 +445,7 @@ def test_llm_takes_tenant_and_deadline_and_reports_rejections(default_model_dir)
             llm.generate("Hi", Params(max_tokens=8, ignore_eos=True), deadline_s=1.0, use_tqdm=False)
         assert e.value.http_status == 503
         out = llm.generate(["Hi", "Hello"], Params(max_tokens=2, ignore_eos=True), tenant=["a", "b"],
-                           deadline_s=[60.0, None], use_tqdm=False)  # fmt: skip
+                           deadline_s=[60.0, None], use_tqdm=False)
         assert [len(o.outputs[0].token_ids) for o in out] == [2, 2]
         assert not llm.engine.has_unfinished_requests()
     finally:
@@ -464,7 +464,7 @@ def test_readme_policy_examples_schedule_a_workload_to_completion():
     section = readme.split("### Writing a policy", 1)[1].split("\n### ", 1)[0]
     blocks = re.findall(r"^```python\n(.*?)^```", section, flags=re.S | re.M)
     namespace = {"collections": collections, "BasePolicy": BasePolicy, "Admission": Admission,
-                 "BudgetSplit": BudgetSplit, "FCFSPolicy": FCFSPolicy, "PriorityPolicy": PriorityPolicy}  # fmt: skip
+                 "BudgetSplit": BudgetSplit, "FCFSPolicy": FCFSPolicy, "PriorityPolicy": PriorityPolicy}
     before = set(namespace)
     for block in blocks:
         exec(block, namespace)

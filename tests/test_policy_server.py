@@ -18,7 +18,7 @@ def slo_server(default_model_dir, tmp_path_factory):
     args = ["--model", default_model_dir, "--device", "cpu", "--attention", "torch", "--host", "127.0.0.1",
             "--port", str(port), "--api-key", API_KEY, "--num-kv-blocks", "128", "--max-model-len", "256",
             "--max-num-seqs", "8", "-q", "--policy", "slo", "--policy-option", "initial_step_time_s=0.5",
-            "--policy-option", "smoothing=0.01"]  # fmt: skip
+            "--policy-option", "smoothing=0.01"]
     with serve(args, tmp, port) as s:
         yield s
 
@@ -36,11 +36,11 @@ def test_deadline_rejection_and_metadata_through_the_openai_client(slo_server):
 
     with pytest.raises(openai.BadRequestError, match="deadline_s: invalid value -2"):
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
-                                       extra_body={"deadline_s": -2})  # fmt: skip
+                                       extra_body={"deadline_s": -2})
 
     # A deadline it can meet, with a tenant: served.
     out = client.completions.create(model=model, prompt="Hello", max_tokens=2, user="tenant-a",
-                                    extra_body={"deadline_s": 120.0, "ignore_eos": True})  # fmt: skip
+                                    extra_body={"deadline_s": 120.0, "ignore_eos": True})
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 2
     # The tenant may come as a header too.
     out = client.with_options(default_headers={"X-Paged-Tenant": "tenant-b"}).chat.completions.create(

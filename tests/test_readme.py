@@ -102,7 +102,7 @@ def readme_sections(text: str = README) -> list[tuple[str, str]]:
 
 def code_blocks(language: str) -> list[str]:
     return [block for _, body in readme_sections()
-            for block in re.findall(rf"^```{language}\n(.*?)^```", body, flags=re.S | re.M)]  # fmt: skip
+            for block in re.findall(rf"^```{language}\n(.*?)^```", body, flags=re.S | re.M)]
 
 
 def _expected(comment: str) -> str | None:
@@ -208,7 +208,7 @@ def _env(cwd: Path) -> dict[str, str]:
 
 def _bash(command: str, cwd: Path, env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess:
     proc = subprocess.run(["bash", "-c", f"set -eo pipefail; {command}"], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+                          text=True, timeout=timeout)
     assert proc.returncode == 0, f"{command}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
     return proc
 
@@ -235,7 +235,7 @@ def background_server(command: str, cwd: Path, env: dict[str, str]):
     log = cwd / f"server-{port}.log"  # a file, not a pipe nobody reads while it fills
     with open(log, "w") as log_file:
         server = subprocess.Popen(["bash", "-c", f"exec {command} --port {port}"], cwd=cwd, env=env,
-                                  stdout=log_file, stderr=subprocess.STDOUT)  # fmt: skip
+                                  stdout=log_file, stderr=subprocess.STDOUT)
     try:
         _wait_healthy(port, server, log)
         yield port
@@ -286,7 +286,7 @@ def run_python_block(block: str, cwd: Path, port: int | None = None) -> list[str
     script = cwd / "example.py"
     script.write_text(PRINTS + _on_port(block, port))
     proc = subprocess.run([sys.executable, str(script)], cwd=cwd, capture_output=True, text=True, timeout=600,
-                          env=_env(cwd))  # fmt: skip
+                          env=_env(cwd))
     assert proc.returncode == 0, f"{block}\n--- stderr\n{proc.stderr[-3000:]}"
     return [chunk.strip() for chunk in proc.stdout.split(PRINT_END)[:-1]]
 

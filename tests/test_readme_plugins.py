@@ -84,7 +84,7 @@ def test_the_readme_plugin_registers_every_hook_kind(site):
     ("llama", ["--policy", "shortest-first", "--policy-option", "tokens_per_s=2"]),
     ("llama", ["--attention", "brute-force", "--block-size", "4", "--max-num-batched-tokens", "4"]),
     ("scaled", []),
-])  # fmt: skip
+])
 def test_the_readme_policy_backend_and_model_give_hf_greedy_tokens(site, tiny, model, flags):
     root, expected = tiny
     proc = _paged(site[0], "run", "-q", "--json", "--model", str(root / model), "--dtype", "float32",

@@ -18,10 +18,10 @@ WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                                     "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"]}}}  # fmt: skip
+                   "required": ["city", "unit"]}}}
 TIME = {"type": "function", "function": {
     "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
-                                       "required": ["zone"]}}}  # fmt: skip
+                                       "required": ["zone"]}}}
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ _LEAF = {"anyOf": [
                                       "maximum": {"enum": [20, 99]}},
      "required": ["type", "minimum", "maximum"], "additionalProperties": False},
     {"type": "object", "properties": {"type": {"const": "boolean"}}, "required": ["type"], "additionalProperties": False},
-]}  # fmt: skip
+]}
 _NAMES = {"enum": ["a", "b", "c", "id", "name", "tags", "info"]}
 
 
@@ -91,12 +91,12 @@ def _object_of(value_schema):
         "type": {"const": "object"},
         "properties": {"type": "object", "propertyNames": _NAMES, "additionalProperties": value_schema,
                        "minProperties": 1, "maxProperties": 3}},
-        "required": ["type", "properties"], "additionalProperties": False}  # fmt: skip
+        "required": ["type", "properties"], "additionalProperties": False}
 
 
 _ARRAY = {"type": "object", "properties": {"type": {"const": "array"}, "items": _LEAF, "minItems": {"enum": [0, 1]},
                                            "maxItems": {"enum": [2, 3]}},
-          "required": ["type", "items", "maxItems"], "additionalProperties": False}  # fmt: skip
+          "required": ["type", "items", "maxItems"], "additionalProperties": False}
 META = _object_of({"anyOf": [_LEAF, _ARRAY, _object_of(_LEAF)]})
 
 

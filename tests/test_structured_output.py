@@ -39,7 +39,7 @@ def tiny_model(tmp_path_factory, default_model_dir):
     path = tmp_path_factory.mktemp("tiny-structured")
     save_tiny_llama(path, default_model_dir, vocab_size=49152, hidden_size=32, intermediate_size=64,
                     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
-                    bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)  # fmt: skip
+                    bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
     return str(path)
 
 
@@ -172,7 +172,7 @@ SCHEMA = {
     "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]},
                    "n": {"type": "integer", "minimum": 0, "maximum": 9}},
     "required": ["ok", "color", "n"],
-}  # fmt: skip
+}
 
 
 def test_mixed_batch_unconstrained_get_their_solo_tokens_constrained_valid_and_reproducible(llm):

@@ -170,7 +170,7 @@ TINY = {
         vocab_size=49152, hidden_size=96, intermediate_size=101, num_hidden_layers=2, num_attention_heads=6,
         num_key_value_heads=3, max_position_embeddings=256, attention_bias=True, mlp_bias=True,
         tie_word_embeddings=False, initializer_range=0.1, bos_token_id=1, eos_token_id=2),
-}  # fmt: skip
+}
 
 
 def _tiny_model(name: str, tmp_path_factory, default_model_dir) -> Path:

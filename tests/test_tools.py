@@ -9,7 +9,7 @@ import pytest
 from paged.core.errors import InvalidRequestError
 from paged.core.frontend.tools import (
     HermesToolParser, calls_from_constrained, check_tools, render_tool_messages, tool_choice_mode, tool_constraint,
-)  # fmt: skip
+)
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

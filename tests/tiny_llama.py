@@ -12,7 +12,7 @@ import transformers
 
 TINY = dict(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0,
-            bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)  # fmt: skip
+            bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
 PROMPT = [1, 504, 3575, 282, 4649, 314]
 
 

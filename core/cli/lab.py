@@ -71,7 +71,7 @@ def add_lab_parser(sub, common: argparse.ArgumentParser) -> None:
     from paged.core.cli.main import add_engine_flags
 
     lab = sub.add_parser("lab", help="policy lab: record, replay and compare scheduling policies on traces",
-                         description=__doc__.split("\n\n")[0].replace("``", "`"))  # fmt: skip
+                         description=__doc__.split("\n\n")[0].replace("``", "`"))
     labsub = lab.add_subparsers(dest="lab_command", required=True)
 
     gen = labsub.add_parser("gen", parents=[common], help="write a seeded synthetic trace")
@@ -108,17 +108,17 @@ def add_lab_parser(sub, common: argparse.ArgumentParser) -> None:
         "against a cost model driving the real scheduler and KV cache; print a side-by-side table and write "
         "pictures. Options per policy: --policy 'NAME:KEY=VALUE,...' or --policy-option KEY=VALUE after "
         "the --policy it applies to.",
-    )  # fmt: skip
+    )
     replay.add_argument("trace", help="trace file (JSONL; see `paged lab gen`)")
     replay.add_argument("--policy", dest="lab_policies", action=_PolicyAction, metavar="NAME[:K=V,...]",
-                        help="a policy to replay (repeatable; default: the configured one)")  # fmt: skip
+                        help="a policy to replay (repeatable; default: the configured one)")
     replay.add_argument("--policy-option", dest="lab_policies", action=_PolicyAction, metavar="KEY=VALUE",
-                        help="an option of the preceding --policy (repeatable)")  # fmt: skip
+                        help="an option of the preceding --policy (repeatable)")
     replay.add_argument("--simulate", metavar="COST.json|const:SECONDS",
-                        help="simulate with this cost model (from `paged lab calibrate`) or a constant step time")  # fmt: skip
+                        help="simulate with this cost model (from `paged lab calibrate`) or a constant step time")
     replay.add_argument("--clock", choices=["wall", "cpu", "steps"], default="wall",
                         help="real replays: wall time (arrivals slept for), CPU time of the steps (idle gaps "
-                        "skipped; robust on a busy machine), or a fixed --step-time per step (reproducible)")  # fmt: skip
+                        "skipped; robust on a busy machine), or a fixed --step-time per step (reproducible)")
     replay.add_argument("--step-time", type=float, default=0.01, help="seconds per step for --clock steps")
     replay.add_argument("--time-scale", type=float, default=1.0, help="multiply the trace's arrival times (0.5: twice the rate)")
     replay.add_argument("--seed", type=int, default=None, help="token ids of length-only prompts (default: the trace's)")
@@ -133,10 +133,10 @@ def add_lab_parser(sub, common: argparse.ArgumentParser) -> None:
     replay.set_defaults(func=cmd_replay)
 
     calibrate = labsub.add_parser("calibrate", parents=[common],
-                                  help="time real engine steps, fit the simulator's cost model, validate it")  # fmt: skip
+                                  help="time real engine steps, fit the simulator's cost model, validate it")
     calibrate.add_argument("--out", required=True, help="cost model JSON to write")
     calibrate.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                           help="fit wall time, or the process CPU time (robust when other work shares the machine)")  # fmt: skip
+                           help="fit wall time, or the process CPU time (robust when other work shares the machine)")
     calibrate.add_argument("--scale", type=float, default=1.0, help="size of the calibration workload")
     calibrate.add_argument("--seed", type=int, default=0)
     calibrate.add_argument("--no-validate", action="store_true", help="skip the sim-vs-real validation replay")
@@ -144,7 +144,7 @@ def add_lab_parser(sub, common: argparse.ArgumentParser) -> None:
     calibrate.set_defaults(func=cmd_calibrate)
 
     validate = labsub.add_parser("validate", parents=[common],
-                                 help="replay a small trace on the engine and simulated; print relative errors")  # fmt: skip
+                                 help="replay a small trace on the engine and simulated; print relative errors")
     validate.add_argument("trace", nargs="?", help="trace (default: a Poisson trace at 60%% of capacity)")
     validate.add_argument("--cost", required=True, help="cost model JSON")
     validate.add_argument("--clock", choices=["wall", "cpu"], default=None, help="default: the cost model's")
@@ -164,7 +164,7 @@ def cmd_gen(args: argparse.Namespace) -> int:
 
     if args.workload is not None:
         trace = generate_workload(WorkloadSpec(args.workload, args.num_requests, args.rate, args.seed, args.tenants,
-                                               args.flood, args.num_prefixes, args.prefix_len))  # fmt: skip
+                                               args.flood, args.num_prefixes, args.prefix_len))
         write_trace(args.out, trace)
         _log(f"wrote {len(trace)} {args.workload} requests over {trace.requests[-1].arrival_s:.2f} s to {args.out}")
         return 0
@@ -175,7 +175,7 @@ def cmd_gen(args: argparse.Namespace) -> int:
         output_len_min=args.output_len_min, output_len_max=args.output_len_max,
         shared_prefix_frac=args.shared_prefix_frac, num_prefixes=args.num_prefixes, prefix_len=args.prefix_len,
         priority_classes=args.priority_classes, priority_weights=args.priority_weights, seed=args.seed,
-    )  # fmt: skip
+    )
     trace = generate_trace(spec)
     write_trace(args.out, trace)
     span = trace.requests[-1].arrival_s if trace.requests else 0.0
@@ -219,13 +219,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
              "are written (pip install 'paged[plots]'; --no-plots to skip them)")
     results = replay_trace(trace, args.lab_policies or [], config, mode=mode, cost=cost, step_time=args.step_time,
                            time_scale=args.time_scale, seed=args.seed, max_requests=args.max_requests,
-                           log=None if args.quiet else _log)  # fmt: skip
+                           log=None if args.quiet else _log)
     summaries = [summarize(r, args.slo_ttft, args.slo_tpot) for r in results]
     meta: dict[str, Any] = {
         "trace": str(args.trace), "num_requests": len(results[0].requests) if results else 0, "mode": mode,
         "time_scale": args.time_scale, "slo_ttft": args.slo_ttft, "slo_tpot": args.slo_tpot,
         "settings": results[0].settings if results else {},
-    }  # fmt: skip
+    }
     if mode == "sim":
         meta["cost_model"] = cost.to_dict()
     if mode == "steps":
@@ -237,7 +237,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         files = write_report(results, summaries, args.out_dir, meta, html_page=args.html)
     if args.json:
         print(json.dumps({"meta": meta, "summaries": summaries, "files": {k: str(v) for k, v in files.items()}},
-                         indent=2, default=str))  # fmt: skip
+                         indent=2, default=str))
     else:
         slos = [f"{name} <= {value} s" for name, value in (("TTFT", args.slo_ttft), ("TPOT", args.slo_tpot)) if value]
         print(f"trace {args.trace}: {meta['num_requests']} requests, mode {mode}"
@@ -263,12 +263,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     model.save(args.out)
     fit = model.fit
     print(f"wrote {args.out}: {fit['num_steps']} steps, R^2 {fit['r2']}, mean |relative error| per step "
-          f"{100 * fit['mean_abs_rel_error']:.1f}%, total time error before rescaling {100 * fit['unscaled_total_time_rel_error']:+.1f}%")  # fmt: skip
+          f"{100 * fit['mean_abs_rel_error']:.1f}%, total time error before rescaling {100 * fit['unscaled_total_time_rel_error']:+.1f}%")
     print("coefficients: " + ", ".join(f"{k} {v:.3g}" for k, v in model.to_dict()["coef"].items()))
     if model.validation:
         errors = model.validation["rel_errors"]
         print("sim vs real (relative error of the mean): "
-              + ", ".join(f"{k} {'-' if v is None else f'{100 * v:+.1f}%'}" for k, v in errors.items()))  # fmt: skip
+              + ", ".join(f"{k} {'-' if v is None else f'{100 * v:+.1f}%'}" for k, v in errors.items()))
         for warning in poor_fit_warnings(model.validation):
             print(f"warning: {warning}")
     return 0
@@ -292,7 +292,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         err = out["rel_errors"].get(f"{metric}_mean" if metric != "span_s" else "span")
         real, sim = out["real"][metric], out["sim"][metric]
         print(f"  {metric:7s} real {real if real is None else f'{real:.4f}'} s  sim {sim if sim is None else f'{sim:.4f}'} s"
-              f"  error {'-' if err is None else f'{100 * err:+.1f}%'}")  # fmt: skip
+              f"  error {'-' if err is None else f'{100 * err:+.1f}%'}")
     for warning in poor_fit_warnings(out):
         print(f"warning: {warning}")
     return 0
@@ -308,9 +308,9 @@ def cmd_policies(args: argparse.Namespace) -> int:
         if spec.options is not None:
             for field, info in spec.options.model_fields.items():
                 options.append({"name": field, "type": getattr(info.annotation, "__name__", str(info.annotation)),
-                                "default": info.default, "description": info.description or ""})  # fmt: skip
+                                "default": info.default, "description": info.description or ""})
         items.append({"name": name, "plugin": registry.owner.get(("policies", name)),
-                      "description": getattr(spec, "description", "") or "", "options": options})  # fmt: skip
+                      "description": getattr(spec, "description", "") or "", "options": options})
     if args.json:
         print(json.dumps({"policies": items}, indent=2, default=str))
         return 0

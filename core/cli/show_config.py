@@ -55,7 +55,7 @@ def describe_model(model: str | None, revision: str | None) -> tuple[str, Path |
             from huggingface_hub import snapshot_download
 
             path = Path(snapshot_download(model, revision=revision, allow_patterns=hub.ALLOW_PATTERNS,
-                                          local_files_only=True))  # fmt: skip
+                                          local_files_only=True))
             return f"hub {model}@{revision or 'main'}: {path}", path
         except Exception:  # not cached (or no huggingface_hub): the run will say exactly why
             return f"hub {model}@{revision or 'main'} (not in the Hugging Face cache: downloaded on first run)", None

@@ -98,7 +98,7 @@ class CompiledForward:
         except Exception as e:  # inductor/dynamo errors have no common base: any failure falls back
             self.failed = True
             logger.warning("model.compile: compiling the forward failed, running eager from now on (%s: %s)",
-                           type(e).__name__, str(e).splitlines()[0] if str(e) else "")  # fmt: skip
+                           type(e).__name__, str(e).splitlines()[0] if str(e) else "")
             return self.model(input_ids, positions, kv_caches, metadata)
 
     def warm_up(self, dummy_step) -> float:

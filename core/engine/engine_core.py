@@ -205,7 +205,7 @@ class EngineCore:
             except RequestRejectedError as e:
                 request.status = RequestStatus.FINISHED_REJECTED
                 failed.append(EngineCoreOutput(request_id, [], finish_reason="rejected", arrival_time=request.arrival_time,
-                                               reject_reason=str(e)))  # fmt: skip
+                                               reject_reason=str(e)))
         return failed
 
     def step(self) -> list[EngineCoreOutput]:

@@ -129,7 +129,7 @@ class ModelRunner:
             self.forward_model = compiled
             seconds = compiled.warm_up(self._dummy_forward)
             logger.info("model.compile: %s in %.1f s (steps of up to %d tokens)",
-                        "eager fallback" if compiled.failed else "compiled", seconds, compiled.max_tokens)  # fmt: skip
+                        "eager fallback" if compiled.failed else "compiled", seconds, compiled.max_tokens)
         self.max_blocks_per_req = cdiv(self.max_model_len, self.block_size)
         max_seqs = config.scheduler.max_num_seqs
         self._block_table = np.zeros((max_seqs, self.max_blocks_per_req), dtype=np.int32)

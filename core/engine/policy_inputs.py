@@ -21,7 +21,7 @@ def budget_split(scheduler: "Scheduler", now: float) -> tuple[int | None, int]:
         return None, threshold
     num_decoding = sum(1 for r in scheduler.running if r.num_computed_tokens >= r.num_prompt_tokens)
     state = BudgetState(now, scheduler.max_num_batched_tokens, len(scheduler.running), len(scheduler.waiting), num_decoding,
-                        scheduler.kv.num_free_blocks / max(scheduler.kv.num_blocks, 1))  # fmt: skip
+                        scheduler.kv.num_free_blocks / max(scheduler.kv.num_blocks, 1))
     split = scheduler._split_budget(state)
     if split is None:
         return None, threshold
@@ -48,4 +48,4 @@ def step_stats(scheduler: "Scheduler", output: "SchedulerOutput", now: float, nu
             num_prefill += s.num_new_tokens
     return StepStats(now, scheduler.max_num_batched_tokens, len(scheduler.running), len(scheduler.waiting), num_prefill, num_decode,
                      len(output.preempted_request_ids), num_deferred, len(output.rejected),
-                     scheduler.kv.usage, tuple(scheduled))  # fmt: skip
+                     scheduler.kv.usage, tuple(scheduled))

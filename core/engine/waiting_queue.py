@@ -175,5 +175,5 @@ class GroupedWaitingQueue:
         rest = sorted(
             e for entries in self._groups.values() for e in entries
             if e[1] not in self._candidate_seqs and self._is_live(e[1], e[2])
-        )  # fmt: skip
+        )
         return (r for _, _, r in candidates + rest)

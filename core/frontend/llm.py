@@ -10,7 +10,7 @@ from paged.core.frontend.llm_engine import LLMEngine
 from paged.core.errors import ConfigError, EngineError, InvalidRequestError
 from paged.core.frontend.outputs import RequestOutput
 from paged.core.frontend.tools import (calls_from_constrained, check_tools, model_type, tool_choice_mode,
-                                       tool_constraint, tool_parser_for)  # fmt: skip
+                                       tool_constraint, tool_parser_for)
 from paged.core.sampling_params import SamplingParams
 
 
@@ -114,7 +114,7 @@ class LLM:
         if forced is not None:
             if any(p.structured_output is not None for p in params_list):
                 raise InvalidRequestError(f"tool_choice: {tool_choice!r} cannot be combined with "
-                                          "sampling_params.structured_output")  # fmt: skip
+                                          "sampling_params.structured_output")
             self.engine.input_processor.validate_structured_output(forced)
             params_list = [p.copy(structured_output=forced) for p in params_list]
         outputs = self._run(prompts, params_list, [0] * len(prompts), use_tqdm, add_special_tokens=False)
@@ -126,14 +126,14 @@ class LLM:
         return outputs
 
     def _run(self, prompts, params_list, priorities, use_tqdm: bool, add_special_tokens: bool,
-             metadata=None) -> list[RequestOutput]:  # fmt: skip
+             metadata=None) -> list[RequestOutput]:
         engine = self.engine
         ids = []
         metadata = metadata or [(None, None)] * len(prompts)
         try:
             for prompt, params, prio, (tenant, deadline_s) in zip(prompts, params_list, priorities, metadata):
                 ids.append(engine.add_request(None, prompt, params, priority=prio, add_special_tokens=add_special_tokens,
-                                              tenant=tenant, deadline_s=deadline_s))  # fmt: skip
+                                              tenant=tenant, deadline_s=deadline_s))
         except Exception:
             engine.abort_request(ids)
             raise

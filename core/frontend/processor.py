@@ -269,5 +269,5 @@ def check_request_metadata(tenant, deadline_s) -> None:
     if tenant is not None and (not isinstance(tenant, str) or len(tenant) > MAX_TENANT_LEN):
         raise InvalidRequestError(f"user: invalid value {tenant!r}; must be a string of at most {MAX_TENANT_LEN} characters")
     if deadline_s is not None and (isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float))
-                                   or not math.isfinite(deadline_s) or deadline_s <= 0):  # fmt: skip
+                                   or not math.isfinite(deadline_s) or deadline_s <= 0):
         raise InvalidRequestError(f"deadline_s: invalid value {deadline_s!r}; must be a number of seconds > 0")

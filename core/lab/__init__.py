@@ -25,4 +25,4 @@ __all__ = [
     "BatchShape", "CostModel", "GeneratorSpec", "LabRequest", "PolicyRun", "ReplayResult", "SimSettings", "Trace",
     "TraceRequest", "fit_cost_model", "generate_trace", "materialize", "read_trace", "replay_trace", "run_replay",
     "write_trace",
-]  # fmt: skip
+]

@@ -31,7 +31,7 @@ GAP = 1e4  # seconds between calibration groups (the steps clock jumps idle gaps
 
 
 def calibration_trace(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, num_blocks: int,
-                      block_size: int, seed: int = 0, scale: float = 1.0) -> Trace:  # fmt: skip
+                      block_size: int, seed: int = 0, scale: float = 1.0) -> Trace:
     """Requests covering decode batch sizes, prefill lengths and mixed steps (see the module doc).
     ``scale`` multiplies the decode steps of each group and the requests of the others; every
     batch size and length is covered whatever the scale."""
@@ -69,7 +69,7 @@ def calibration_trace(max_num_seqs: int, max_num_batched_tokens: int, max_model_
 
 
 def calibrate(config, *, clock: str = "wall", seed: int = 0, scale: float = 1.0, registry=None,
-              log: Callable[[str], None] | None = None) -> tuple[CostModel, ReplayResult]:  # fmt: skip
+              log: Callable[[str], None] | None = None) -> tuple[CostModel, ReplayResult]:
     """Build the engine from ``config``, replay the calibration workload, fit. Returns the model
     and the timed replay."""
     from paged.core.frontend.llm_engine import LLMEngine
@@ -84,7 +84,7 @@ def calibrate(config, *, clock: str = "wall", seed: int = 0, scale: float = 1.0,
     info = engine.model_info
     sched = config.scheduler
     trace = calibration_trace(sched.max_num_seqs, sched.max_num_batched_tokens, info.max_model_len, info.num_blocks,
-                              info.block_size, seed=seed, scale=scale)  # fmt: skip
+                              info.block_size, seed=seed, scale=scale)
     requests = materialize(trace)
     if log:
         log(f"calibration: {len(requests)} requests on {info.model_dir}")
@@ -99,7 +99,7 @@ def calibrate(config, *, clock: str = "wall", seed: int = 0, scale: float = 1.0,
 
 
 def validation_trace(cost: CostModel, settings: SimSettings, num_requests: int = 0, seed: int = 1,
-                     load: float = 0.6) -> Trace:  # fmt: skip
+                     load: float = 0.6) -> Trace:
     """A Poisson trace at about ``load`` of the engine's capacity under the cost model: the
     rate at which ``load x max_num_seqs`` requests run at once (Little's law)."""
     from paged.core.lab.cost import BatchShape
@@ -116,7 +116,7 @@ def validation_trace(cost: CostModel, settings: SimSettings, num_requests: int =
         prompt_len_median=prompt, prompt_len_sigma=0.5, prompt_len_min=4,
         prompt_len_max=max(4, settings.max_model_len // 2), output_len_median=output, output_len_sigma=0.4,
         output_len_min=2, output_len_max=max(2, settings.max_model_len // 4), seed=seed,
-    )  # fmt: skip
+    )
     return generate_trace(spec)
 
 
@@ -127,7 +127,7 @@ def rel_error(sim: float | None, real: float | None) -> float | None:
 
 
 def validate(cost: CostModel, config, trace: Trace | None = None, *, policy: PolicyRun | None = None,
-             clock: str | None = None, registry=None, log: Callable[[str], None] | None = None) -> dict[str, Any]:  # fmt: skip
+             clock: str | None = None, registry=None, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Replay ``trace`` (default: ``validation_trace``) on the real engine with ``clock``
     (default: the one the cost model was fitted on) and simulated with ``cost``; relative errors
     (sim - real) / real of mean TTFT, TPOT, e2e and of the span."""
@@ -168,5 +168,5 @@ def validate(cost: CostModel, config, trace: Trace | None = None, *, policy: Pol
     }
     if log:
         log("validation (sim vs real, relative error of the mean): " + ", ".join(
-            f"{k} {'-' if v is None else f'{100 * v:+.1f}%'}" for k, v in out["rel_errors"].items()))  # fmt: skip
+            f"{k} {'-' if v is None else f'{100 * v:+.1f}%'}" for k, v in out["rel_errors"].items()))
     return out

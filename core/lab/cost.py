@@ -41,7 +41,7 @@ class BatchShape:
 
     def features(self) -> list[float]:
         return [1.0, float(self.prefill_tokens), float(self.decode_tokens), float(self.num_seqs),
-                float(self.prefill_seqs), self.context_tokens / 1e3, self.prefill_attention / 1e6]  # fmt: skip
+                float(self.prefill_seqs), self.context_tokens / 1e3, self.prefill_attention / 1e6]
 
 
 def batch_shape(scheduler_output) -> BatchShape:
@@ -116,7 +116,7 @@ class CostModel:
         if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in values):
             raise CostModelError(f"--simulate: {str(path)!r}: coefficients must be finite numbers >= 0")
         return cls([float(v) for v in values], FEATURES, data.get("clock", "wall"), data.get("fit", {}),
-                   data.get("engine", {}), data.get("validation", {}))  # fmt: skip
+                   data.get("engine", {}), data.get("validation", {}))
 
 
 def _nnls(X, y, w):
@@ -135,7 +135,7 @@ def _nnls(X, y, w):
 
 
 def fit_cost_model(shapes: Sequence[BatchShape], times: Sequence[float], clock: str = "wall",
-                   trim: float = 0.05) -> CostModel:  # fmt: skip
+                   trim: float = 0.05) -> CostModel:
     """Non-negative least squares of step times on batch shapes, minimising relative error
     (each row weighted by 1 / its time, so short decode steps count as much as long prefills).
     Robust to timing noise: after a first fit the ``trim`` share of steps with the largest

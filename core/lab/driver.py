@@ -14,7 +14,7 @@ from paged.core.lab.records import LabRequest, ReplayResult, RequestRecord, Step
 
 # --- the driver loop ----------------------------------------------------------------------------------------
 def run_replay(requests: Sequence[LabRequest], executor, *, cost: CostModel | None = None, label: str = "",
-               policy: str = "", options: dict | None = None) -> ReplayResult:  # fmt: skip
+               policy: str = "", options: dict | None = None) -> ReplayResult:
     """Replay ``requests`` (sorted by arrival) on ``executor``; ``cost`` drives the clock in the
     ``sim`` and ``steps`` modes."""
     mode = executor.mode
@@ -29,7 +29,7 @@ def run_replay(requests: Sequence[LabRequest], executor, *, cost: CostModel | No
         r.id: RequestRecord(r.id, r.priority, r.arrival, len(r.prompt_token_ids), r.output_len, tenant=r.tenant,
                             deadline_s=r.deadline_s)
         for r in requests
-    }  # fmt: skip
+    }
     last_arrival = requests[-1].arrival if requests else 0.0
     live: dict[str, tuple[Request, RequestRecord]] = {}
     steps: list[StepRecord] = []
@@ -108,10 +108,10 @@ def run_replay(requests: Sequence[LabRequest], executor, *, cost: CostModel | No
                        shape.context_tokens, shape.prefill_attention, shape.prefill_seqs, running, waiting, kv_usage,
                        len(out.preempted_request_ids), finished,
                        (w1 - w0) if mode != "sim" else None, (c1 - c0) if mode != "sim" else None)
-        )  # fmt: skip
+        )
         empty_steps = empty_steps + 1 if not out.scheduled else 0
         if empty_steps > 1000:
             raise PagedError("lab: the scheduler scheduled nothing for 1000 steps in a row with requests left")
     stats = executor.prefix_stats
     return ReplayResult(label or policy, policy, dict(options or {}), mode, steps, list(records.values()),
-                        digest.hexdigest(), stats.hit_rate, perf() - wall_t0)  # fmt: skip
+                        digest.hexdigest(), stats.hit_rate, perf() - wall_t0)

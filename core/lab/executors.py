@@ -54,7 +54,7 @@ class SimSettings:
         max_model_len = config.model.max_model_len or engine.get("max_model_len") or 4096
         return cls(int(num_blocks), block_size, cache.enable_prefix_caching, sched.max_num_seqs,
                    sched.max_num_batched_tokens, int(max_model_len), sched.long_prefill_token_threshold,
-                   sched.enable_chunked_prefill)  # fmt: skip
+                   sched.enable_chunked_prefill)
 
 
 class SimExecutor:
@@ -71,14 +71,14 @@ class SimExecutor:
             max_num_batched_tokens=settings.max_num_batched_tokens, max_model_len=settings.max_model_len,
             long_prefill_token_threshold=settings.long_prefill_token_threshold,
             enable_chunked_prefill=settings.enable_chunked_prefill, clock=lambda: self.now,
-        )  # fmt: skip
+        )
 
     def add(self, request: LabRequest) -> Request:
         """Queue it; raises RequestRejectedError when the policy turns it away."""
         params = SamplingParams(max_tokens=request.output_len, ignore_eos=True)
         core = Request(request.id, request.prompt_token_ids, params, arrival_time=request.arrival,
                        priority=request.priority, cache_salt=request.cache_salt, max_tokens=request.output_len,
-                       tenant=request.tenant, deadline=request.deadline)  # fmt: skip
+                       tenant=request.tenant, deadline=request.deadline)
         self.scheduler.add_request(core)
         return core
 
@@ -122,7 +122,7 @@ class EngineExecutor:
         """One short request through every stage, then a clean prefix cache and counters."""
         engine = self.engine
         engine.add_request(WARMUP_ID, list(range(TOKEN_WARMUP, TOKEN_WARMUP + 24)),
-                           SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0))  # fmt: skip
+                           SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0))
         while engine.has_unfinished_requests():
             engine.step()
         self.kv.reset_prefix_cache()
@@ -132,7 +132,7 @@ class EngineExecutor:
         self.engine.add_request(request.id, request.prompt_token_ids, request.sampling_params(),
                                 priority=request.priority, arrival_time=request.arrival,
                                 cache_salt=request.cache_salt, tenant=request.tenant,
-                                deadline_s=request.deadline_s)  # fmt: skip
+                                deadline_s=request.deadline_s)
         return self.scheduler.requests[request.id]
 
     def busy(self) -> bool:

@@ -46,7 +46,7 @@ def meets_slo(r: RequestRecord, slo_ttft: float | None, slo_tpot: float | None) 
 
 
 def summarize_requests(records: Iterable[RequestRecord], span: float, slo_ttft: float | None = None,
-                       slo_tpot: float | None = None) -> dict[str, Any]:  # fmt: skip
+                       slo_tpot: float | None = None) -> dict[str, Any]:
     records = list(records)
     done = [r for r in records if r.finished is not None]
     output_tokens = sum(r.num_generated for r in done)

@@ -39,7 +39,7 @@ class LabRequest:
 
 
 def materialize(trace: Trace, *, seed: int | None = None, time_scale: float = 1.0,
-                tokenize: Callable[[str], list[int]] | None = None, max_requests: int | None = None) -> list[LabRequest]:  # fmt: skip
+                tokenize: Callable[[str], list[int]] | None = None, max_requests: int | None = None) -> list[LabRequest]:
     """Trace lines -> requests with token ids, in arrival order. ``seed`` (default: the trace
     header's) seeds the token ids of length-only prompts; ``n > 1`` becomes n requests."""
     if not time_scale > 0:
@@ -55,7 +55,7 @@ def materialize(trace: Trace, *, seed: int | None = None, time_scale: float = 1.
             rid = request.id if n == 1 else f"{request.id}#{k}"
             deadline = None if request.deadline_s is None else request.deadline_s * time_scale
             out.append(LabRequest(rid, request.arrival_s * time_scale, tokens, request.num_output_tokens,
-                                  request.priority, request.cache_salt, request.sampling, request.tenant, deadline))  # fmt: skip
+                                  request.priority, request.cache_salt, request.sampling, request.tenant, deadline))
     out.sort(key=lambda r: r.arrival)  # stable: ties keep the trace order
     return out
 
@@ -87,12 +87,12 @@ class StepRecord:
     @property
     def shape(self) -> BatchShape:
         return BatchShape(self.num_seqs, self.prefill_tokens, self.decode_tokens, self.context_tokens,
-                          self.prefill_attention, self.prefill_seqs)  # fmt: skip
+                          self.prefill_attention, self.prefill_seqs)
 
     def schedule_key(self) -> tuple:
         """Everything but the times: equal keys = the same scheduling decisions."""
         return (self.index, self.num_seqs, self.prefill_tokens, self.decode_tokens, self.context_tokens,
-                self.prefill_seqs, self.running, self.waiting, round(self.kv_usage, 9), self.preemptions, self.finished)  # fmt: skip
+                self.prefill_seqs, self.running, self.waiting, round(self.kv_usage, 9), self.preemptions, self.finished)
 
 
 @dataclass(slots=True)
@@ -163,7 +163,7 @@ class ReplayResult:
             "schedule_digest": self.schedule_digest, "engine_prefix_hit_rate": self.engine_prefix_hit_rate,
             "elapsed_s": self.elapsed_s, "settings": self.settings, "num_steps": len(self.steps),
             "requests": [{**asdict(r), "ttft": r.ttft, "tpot": r.tpot, "e2e": r.e2e} for r in self.requests],
-        }  # fmt: skip
+        }
         if include_steps:
             out["steps"] = [asdict(s) for s in self.steps]
         return out

@@ -43,7 +43,7 @@ MODES = ("wall", "cpu", "steps", "sim")
 __all__ = [
     "MODES", "EngineExecutor", "LabRequest", "PolicyRun", "ReplayResult", "RequestRecord", "SimExecutor", "SimSettings",
     "StepRecord", "engine_settings", "materialize", "replay_trace", "run_replay",
-]  # fmt: skip
+]
 
 
 # --- one comparison: a trace, several policies -----------------------------------------------------------------
@@ -58,7 +58,7 @@ def _tokenizer_for(config, cost: CostModel | None):
 def replay_trace(trace: Trace, policies: Sequence[PolicyRun], config, *, mode: str = "wall",
                  cost: CostModel | None = None, step_time: float = 0.01, time_scale: float = 1.0,
                  seed: int | None = None, max_requests: int | None = None, registry=None,
-                 log: Callable[[str], None] | None = None) -> list[ReplayResult]:  # fmt: skip
+                 log: Callable[[str], None] | None = None) -> list[ReplayResult]:
     """Replay ``trace`` once per policy, on the real engine (modes wall, cpu, steps: an engine
     built from ``config`` per policy, warmed up first) or simulated (mode sim, with ``cost``)."""
     if mode not in MODES:
@@ -94,7 +94,7 @@ def replay_trace(trace: Trace, policies: Sequence[PolicyRun], config, *, mode: s
         if log:
             log(f"replaying {len(requests)} requests with policy {run.label!r} ({mode})")
         result = run_replay(requests, executor, cost=cost, label=run.label, policy=run.name,
-                            options=options.model_dump() if options is not None else {})  # fmt: skip
+                            options=options.model_dump() if options is not None else {})
         result.settings = settings_dict
         results.append(result)
         if log:

@@ -163,7 +163,7 @@ def write_html(path: str | Path, summaries: Sequence[dict[str, Any]], images: Se
 
 
 def write_report(results: Sequence[ReplayResult], summaries: Sequence[dict[str, Any]], out_dir: str | Path,
-                 meta: dict[str, Any], html_page: bool = False) -> dict[str, Path]:  # fmt: skip
+                 meta: dict[str, Any], html_page: bool = False) -> dict[str, Path]:
     """timeline.png, ttft_cdf.png, results.json, summary.txt (and report.html) in ``out_dir``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -51,7 +51,7 @@ TOKEN_LOW, TOKEN_HIGH = 100, 32000
 _REQUEST_FIELDS = {
     "id", "arrival_s", "prompt", "prompt_token_ids", "prompt_len", "prefix", "output_len", "max_tokens",
     "sampling", "priority", "cache_salt", "tenant", "deadline_s",
-}  # fmt: skip
+}
 
 
 class TraceError(PagedError, ValueError):
@@ -121,7 +121,7 @@ class TraceRequest:
         prefix = data.get("prefix")
         if prefix is not None:
             if (not isinstance(prefix, dict) or set(prefix) != {"id", "len"} or not _is_int(prefix["id"])
-                    or not _is_int(prefix["len"]) or prefix["len"] < 1):  # fmt: skip
+                    or not _is_int(prefix["len"]) or prefix["len"] < 1):
                 raise bad("prefix", 'must be {"id": <int>, "len": <int >= 1>}')
             if length is None or prefix["len"] >= length:
                 raise bad("prefix", "needs prompt_len, longer than the prefix")
@@ -143,7 +143,7 @@ class TraceRequest:
             raise bad("tenant", "must be a string")
         deadline = data.get("deadline_s")
         if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
-                                     or not math.isfinite(deadline) or deadline <= 0):  # fmt: skip
+                                     or not math.isfinite(deadline) or deadline <= 0):
             raise bad("deadline_s", "must be a number of seconds > 0")
         rid = data.get("id")
         return cls(
@@ -151,7 +151,7 @@ class TraceRequest:
             prompt_token_ids=ids, prompt_len=length, prefix=prefix, output_len=data.get("output_len"),
             max_tokens=data.get("max_tokens"), sampling=dict(sampling), priority=priority, cache_salt=salt,
             tenant=tenant, deadline_s=None if deadline is None else float(deadline),
-        )  # fmt: skip
+        )
 
 
 def _is_int(value: Any) -> bool:
@@ -322,7 +322,7 @@ def generate_trace(spec: GeneratorSpec) -> Trace:
         requests.append(
             TraceRequest(arrival_s=round(t, 6), id=f"r{i}", prompt_len=prompt_len, prefix=prefix,
                          max_tokens=output_len, priority=priority)
-        )  # fmt: skip
+        )
     header = {"source": "paged lab gen", "seed": spec.seed, "params": _spec_dict(spec)}
     return Trace(requests, header)
 
@@ -358,11 +358,11 @@ def _trace_request(output: Any, params: Any, priority: int, text: str | None, t0
         prompt_token_ids=list(output.prompt_token_ids),
         output_len=max((len(c.token_ids) for c in output.outputs), default=0) or None,
         sampling=_sampling_fields(params), priority=int(priority),
-    )  # fmt: skip
+    )
 
 
 def trace_from_outputs(outputs: Iterable[Any], params: Iterable[Any], priorities: Iterable[int],
-                       prompts: Iterable[str | None] = (), source: str = "paged run") -> Trace:  # fmt: skip
+                       prompts: Iterable[str | None] = (), source: str = "paged run") -> Trace:
     """A trace of finished ``RequestOutput``s, arrival times relative to the first arrival."""
     outputs, params, priorities = list(outputs), list(params), list(priorities)
     prompts = list(prompts) or [None] * len(outputs)

@@ -43,7 +43,7 @@ class WorkloadSpec:
             ("num_requests", self.num_requests >= 1, ">= 1"), ("rate", self.rate > 0, "> 0"),
             ("tenants", self.tenants >= 2, ">= 2"), ("flood", self.flood >= 1, ">= 1"),
             ("num_prefixes", self.num_prefixes >= 1, ">= 1"), ("prefix_len", self.prefix_len >= 1, ">= 1"),
-        ):  # fmt: skip
+        ):
             if not ok:
                 raise TraceError(f"--{name.replace('_', '-')}: invalid value {getattr(self, name)!r}; must be {accepted}")
 
@@ -52,7 +52,7 @@ def generate_workload(spec: WorkloadSpec) -> Trace:
     spec.validate()
     rng = random.Random(f"paged-workload:{spec.workload}:{spec.seed}")
     make = {"multi-tenant": _multi_tenant, "shared-prefix": _shared_prefix, "heavy-tail": _heavy_tail,
-            "deadline": _deadline}[spec.workload]  # fmt: skip
+            "deadline": _deadline}[spec.workload]
     requests = make(spec, rng)
     requests.sort(key=lambda r: r.arrival_s)
     for i, request in enumerate(requests):
@@ -74,7 +74,7 @@ def _multi_tenant(spec: WorkloadSpec, rng: random.Random) -> list[TraceRequest]:
     for t in _arrivals(rng, spec.num_requests, spec.rate):
         tenant = rng.choices(range(spec.tenants), weights)[0]
         out.append(TraceRequest(arrival_s=t, tenant=f"t{tenant}", prompt_len=_lognormal_int(rng, 128, 0.6, 8, 1024),
-                                max_tokens=_lognormal_int(rng, 64, 0.6, 4, 256)))  # fmt: skip
+                                max_tokens=_lognormal_int(rng, 64, 0.6, 4, 256)))
     return out
 
 
@@ -84,7 +84,7 @@ def _shared_prefix(spec: WorkloadSpec, rng: random.Random) -> list[TraceRequest]
         prefix = {"id": rng.randrange(spec.num_prefixes), "len": spec.prefix_len}
         own = _lognormal_int(rng, 32, 0.5, 4, 256)
         out.append(TraceRequest(arrival_s=t, prompt_len=spec.prefix_len + own, prefix=prefix,
-                                max_tokens=_lognormal_int(rng, 32, 0.5, 4, 128)))  # fmt: skip
+                                max_tokens=_lognormal_int(rng, 32, 0.5, 4, 128)))
     return out
 
 
@@ -111,5 +111,5 @@ def _deadline(spec: WorkloadSpec, rng: random.Random) -> list[TraceRequest]:
             deadline = round(rng.uniform(10.0, 30.0), 3)
             priority = 1
         out.append(TraceRequest(arrival_s=t, prompt_len=prompt, max_tokens=output, deadline_s=deadline,
-                                priority=priority))  # fmt: skip
+                                priority=priority))
     return out

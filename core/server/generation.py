@@ -66,7 +66,7 @@ async def start(state: ServerState, request_id: str, prompts: list, params: Samp
                 prompt_params = params.copy(max_tokens=max(1, min(default_max_tokens, room)))
             streams.append(await llm.add_request(rid, prompt, prompt_params, priority,
                                                  add_special_tokens=add_special_tokens, prompt_token_ids=token_ids[i],
-                                                 tenant=tenant, deadline_s=deadline_s))  # fmt: skip
+                                                 tenant=tenant, deadline_s=deadline_s))
     except BaseException:
         for s in streams:
             s.close()
