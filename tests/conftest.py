@@ -8,12 +8,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 
 # A test that needs the default model skips without it; under PAGED_REQUIRE_MODEL=1 (CI) it fails.
-pytest_plugins = ["default_model"]
+pytest_plugins = ["helpers.default_model"]
 
 
 @pytest.fixture(scope="session")
 def default_model_dir():
-    from default_model import default_gguf
+    from helpers.default_model import default_gguf
     from paged.core.loading.gguf import converted_model_dir
 
     return str(converted_model_dir(default_gguf()))

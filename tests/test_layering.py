@@ -8,8 +8,9 @@ import ast
 from pathlib import Path
 
 import pytest
+from helpers import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent  # the repository root is the ``paged`` package
+ROOT = REPO_ROOT  # the repository root is the ``paged`` package
 SKIP_DIRS = {"tests", "benchmarks", ".venv", "build", "paged.egg-info", ".git", "configs"}
 
 

@@ -1,6 +1,6 @@
 """The pool of KV-cache blocks: an O(1) free queue, ref counts, and the prefix-cache hash map.
 
-Invariants (checked by tests/test_kv_cache_stateful.py after every operation):
+Invariants (checked by tests/core/engine/test_kv_cache_stateful.py after every operation):
 - a block is in the free queue iff its ``ref_cnt`` is 0;
 - ``ref_cnt`` equals the number of requests whose block table holds the block;
 - ``block.block_hash`` is set iff ``cached_block_hash_to_block[block.block_hash] is block``;

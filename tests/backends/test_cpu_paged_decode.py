@@ -1,0 +1,221 @@
+"""The fused CPU paged-decode kernel against a brute-force attention written here.
+
+The brute force gathers each request's K/V position by position through the hand-built block table
+and takes the softmax in float64; it shares no code with the kernel or the torch backend. Caches
+start as NaN: a read of an unused block, of a block-table padding entry (0) or of the stale tail of
+a request's last block shows up as a non-finite output. Block ids are handed out shuffled.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import shutil
+
+import pytest
+import torch
+
+from paged.backends import cpu_paged_decode
+from paged.backends.torch_attention import TorchAttentionBackend, TorchAttentionOptions
+from paged.core.attention import AttentionLayout
+
+from helpers.batch import make_batch
+
+TOLERANCE = {  # (atol, rtol) against float64 on inputs already rounded to the dtype
+    torch.float32: (2e-5, 1e-5),
+    torch.bfloat16: (1e-2, 8e-3),  # fp32 accumulation, one rounding of the output
+    torch.float16: (2e-3, 2e-3),
+}
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler: the backend falls back to gather + SDPA")
+    op = cpu_paged_decode.load()
+    assert op is not None, "a compiler is here but the kernel did not build (see the warning)"
+    return op
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def make_case(lens, *, num_kv_heads, group, head_dim, block_size, dtype, seed=0, q_gain=1.0):
+    """Caches, block table and queries for decodes with context lengths ``lens``."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = 1 + sum(cdiv(n, block_size) for n in lens) + 3  # block 0 (padding) and spares unused
+    ids = list(range(1, num_blocks))
+    random.Random(seed).shuffle(ids)
+    tables = [[ids.pop() for _ in range(cdiv(n, block_size))] for n in lens]
+    table = torch.zeros(len(lens), max(map(len, tables)) + 2, dtype=torch.int32)  # padded with 0
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    for i, (n, blocks) in enumerate(zip(lens, tables)):
+        table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        for p in range(n):
+            k_cache[blocks[p // block_size], p % block_size] = torch.randn(num_kv_heads, head_dim, generator=gen).to(dtype)
+            v_cache[blocks[p // block_size], p % block_size] = torch.randn(num_kv_heads, head_dim, generator=gen).to(dtype)
+    q = (torch.randn(len(lens), num_kv_heads * group, head_dim, generator=gen) * q_gain).to(dtype)
+    return q, k_cache, v_cache, table, torch.tensor(lens, dtype=torch.int32)
+
+
+def brute_force(q, k_cache, v_cache, table, lens):
+    """float64, one request and one query head at a time."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    group = q.shape[1] // num_kv_heads
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for b, n in enumerate(lens.tolist()):
+        k = torch.stack([k_cache[table[b, p // block_size], p % block_size] for p in range(n)]).double()
+        v = torch.stack([v_cache[table[b, p // block_size], p % block_size] for p in range(n)]).double()
+        for h in range(q.shape[1]):
+            scores = k[:, h // group] @ q[b, h].double() * head_dim**-0.5
+            out[b, h] = torch.softmax(scores, dim=0) @ v[:, h // group]
+    return out
+
+
+def check(kernel, q, k_cache, v_cache, table, lens, out=None):
+    out = torch.empty_like(q) if out is None else out
+    kernel(q, k_cache, v_cache, table, lens, q.shape[-1] ** -0.5, out)
+    assert torch.isfinite(out).all(), "read a NaN slot: an unused block, a padding entry or a stale tail"
+    atol, rtol = TOLERANCE[q.dtype]
+    torch.testing.assert_close(out.double(), brute_force(q, k_cache, v_cache, table, lens), atol=atol, rtol=rtol)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("group", [1, 3])
+def test_kernel_matches_brute_force(kernel, dtype, head_dim, block_size, group):
+    # a single position, block boundaries (one block, one past it, two blocks), a tile of 64
+    # and one past it (the online softmax's rescale), and uneven lengths
+    lens = [1, block_size, block_size + 1, 2 * block_size, 64, 65, 37, 150]
+    case = make_case(lens, num_kv_heads=2, group=group, head_dim=head_dim, block_size=block_size, dtype=dtype,
+                     seed=block_size + group)
+    check(kernel, *case)
+
+
+@pytest.mark.parametrize("head_dim", [3, 8, 80, 96])
+def test_other_head_dims_and_fp16(kernel, head_dim):
+    # head dims that are not a multiple of 16 take the scalar tail; fp16 the generic load
+    for dtype in (torch.float32, torch.float16):
+        check(kernel, *make_case([5, 70, 1], num_kv_heads=3, group=2, head_dim=head_dim, block_size=4, dtype=dtype))
+
+
+def test_rescaling_across_tiles(kernel):
+    # large scores: the running max grows tile after tile (and then not), so every rescale path
+    # of the online softmax matters; the softmax is nearly one-hot, unforgiving of a missed rescale
+    q, k_cache, v_cache, table, lens = make_case([300, 129, 64], num_kv_heads=1, group=4, head_dim=64,
+                                                 block_size=16, dtype=torch.float32, q_gain=6.0)
+    for b, n in enumerate(lens.tolist()):  # later positions align more and more with the query
+        for p in range(n):
+            blk, off = table[b, p // 16], p % 16
+            k_cache[blk, off, 0] += q[b, 0] * (p / n) * 0.05
+    check(kernel, q, k_cache, v_cache, table, lens)
+
+
+def test_strided_query_output_and_block_table(kernel):
+    # q and out as views with row strides (as slices of a larger step), block-table rows strided
+    q, k_cache, v_cache, table, lens = make_case([17, 3, 40], num_kv_heads=2, group=3, head_dim=64, block_size=8,
+                                                 dtype=torch.float32)
+    q_big = torch.randn(5, 8, 70)
+    q_big[1:4, 1:7, :64] = q
+    wide_table = torch.zeros(3, table.shape[1] + 5, dtype=torch.int32)
+    wide_table[:, : table.shape[1]] = table
+    out_big = torch.full((4, 6, 64), float("nan"))
+    kernel(q_big[1:4, 1:7, :64], k_cache, v_cache, wide_table[:, : table.shape[1]], lens, 0.125, out_big[1:])
+    torch.testing.assert_close(out_big[1:].double(), brute_force(q, k_cache, v_cache, table, lens), atol=2e-5, rtol=1e-5)
+    assert torch.isnan(out_big[0]).all()  # nothing outside the output view written
+
+
+def test_threads_and_work_split_do_not_change_the_result(kernel):
+    # 1 thread: one work item per request; 4 threads for 5 requests: one per (request, KV head).
+    # Each query head is computed the same way either way: equal bit for bit. 8 threads: 15 items
+    # are fewer than 2 per thread, so each item's positions are split in two runs whose softmax
+    # states are merged (split-KV): the same values up to rounding (check: against brute force).
+    case = make_case([33, 1, 90, 16, 7], num_kv_heads=3, group=3, head_dim=64, block_size=16, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 4, 8):
+            torch.set_num_threads(n)
+            results.append(check(kernel, *case))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1])
+    assert not torch.equal(results[0], results[2])  # the split path did run
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens", [[1], [63], [64], [65], [500], [1000, 3]])
+def test_split_kv_for_small_batches(kernel, dtype, lens):
+    """Batch 1-2 on 2+ threads: the positions of each (request, KV head) are split in runs of whole
+    64-position tiles, some of them empty for short contexts, and merged."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(max(2, threads))
+        check(kernel, *make_case(lens, num_kv_heads=3, group=3, head_dim=64, block_size=16, dtype=dtype))
+        torch.set_num_threads(6)  # one item, six runs
+        check(kernel, *make_case(lens, num_kv_heads=1, group=4, head_dim=64, block_size=16, dtype=dtype))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_rejects_bad_inputs(kernel):
+    q, k_cache, v_cache, table, lens = make_case([5], num_kv_heads=2, group=2, head_dim=16, block_size=4,
+                                                 dtype=torch.float32)
+    out = torch.empty_like(q)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        kernel(q.bfloat16(), k_cache, v_cache, table, lens, 0.25, out)
+    with pytest.raises(RuntimeError, match="int32"):
+        kernel(q, k_cache, v_cache, table.long(), lens, 0.25, out)
+    with pytest.raises(RuntimeError, match="multiple of Hkv"):
+        kernel(q[:, :3], k_cache, v_cache, table, lens, 0.25, out[:, :3])
+
+
+# ---- the torch backend with and without the kernel ----------------------------------------------
+
+
+def backend_step(kernel_on: bool):
+    layout = AttentionLayout(1, 6, 2, 64, 16, torch.float32, torch.device("cpu"))
+    backend = TorchAttentionBackend(layout, TorchAttentionOptions(cpu_decode_kernel=kernel_on))
+    [kv] = backend.allocate_kv_cache(20)
+    gen = torch.Generator().manual_seed(3)
+    kv[0].copy_(torch.randn(kv[0].shape, generator=gen))
+    kv[1].copy_(torch.randn(kv[1].shape, generator=gen))
+    # two decodes and a prefill chunk after a cached prefix
+    batch = make_batch([[3, 7], [5], [9, 11, 2]], [20, 9, 30], [1, 1, 4], 16)
+    q, k, v = (torch.randn(6, n, 64, generator=gen) for n in (6, 2, 2))
+    return backend, backend.forward(q, k, v, kv, backend.build_metadata(batch))
+
+
+def test_backend_kernel_and_gather_paths_agree(kernel):
+    on, out_on = backend_step(True)
+    off, out_off = backend_step(False)
+    assert on.options.cpu_decode_kernel and not off.options.cpu_decode_kernel
+    torch.testing.assert_close(out_on, out_off, atol=2e-5, rtol=1e-5)
+    assert "decode_k" not in on._buffers and "decode_k" in off._buffers  # the kernel path gathers nothing
+
+
+def test_build_failure_warns_once_and_falls_back(monkeypatch, caplog):
+    from torch.utils import cpp_extension
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(cpp_extension, "load_inline", fail)
+    cpu_paged_decode.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="paged.backends.cpu_paged_decode"):
+            assert cpu_paged_decode.load() is None
+            _, out = backend_step(True)  # the backend asks again: no second build, no second warning
+        assert [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()] == [
+            "CPU paged-decode kernel unavailable, the torch backend gathers K/V instead: no compiler here"
+        ]
+    finally:
+        monkeypatch.undo()
+        cpu_paged_decode.load.cache_clear()
+    _, expected = backend_step(False)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)  # the gather path, bit for bit

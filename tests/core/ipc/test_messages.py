@@ -1,0 +1,54 @@
+"""The msgspec messages between the front-end and the engine core process."""
+
+import pytest
+
+from paged.core.sampling_params import SamplingParams
+
+
+def test_msgspec_messages_round_trip():
+    from paged.core.engine.engine_core import ModelInfo
+    from paged.core.engine.outputs import EngineCoreOutput
+    from paged.core.ipc.messages import (
+        AbortRequests, CoreFailed, Outputs, Ready, RequestFailed, UtilityCall, UtilityResult,
+        make_encoder, message_decoder, request_decoder, request_from_wire, request_to_wire,
+    )
+    from paged.core.engine.request import Request
+    from paged.core.engine.sampler import TokenLogprobs
+
+    enc = make_encoder()
+    params = SamplingParams(n=1, temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, seed=11, max_tokens=9,
+                            stop=["\n", "END"], stop_token_ids=[7], logprobs=2, presence_penalty=0.5,
+                            frequency_penalty=-0.5, ignore_eos=True)
+    request = Request("r-1#0", [1, 2, 3], params, arrival_time=12.5, priority=-3, cache_salt="s", eos_token_id=2,
+                      max_tokens=9)
+    add = request_to_wire(request)
+    inputs = [add, AbortRequests(["a", "b"], "stop"), UtilityCall(4, "stats", [1, "x"])]
+    for msg in inputs:
+        payload = enc.encode(msg)
+        assert isinstance(payload, bytes)
+        assert request_decoder().decode(payload) == msg
+    back = request_from_wire(request_decoder().decode(enc.encode(add)))
+    for name in ("request_id", "prompt_token_ids", "sampling_params", "arrival_time", "priority", "cache_salt",
+                 "eos_token_id", "max_tokens"):
+        assert getattr(back, name) == getattr(request, name), name
+
+    out = EngineCoreOutput("r-1#0", [42], finish_reason="stop", stop_token_id=42,
+                           logprobs=[TokenLogprobs(42, -0.25, 1, [(42, -0.25), (7, -1.5)])], arrival_time=1.0,
+                           first_scheduled_time=1.5, first_token_time=2.0, finished_time=3.0, num_cached_tokens=16,
+                           num_preemptions=1)
+    plain = EngineCoreOutput("r-2", [5, 6])
+    info = ModelInfo("/models/x", 2048, 49152, [2, 3], 100, 16)
+    messages = [Ready(info, 1234), Outputs([out, plain], 99.5),
+                UtilityResult(4, {"num_free_blocks": 3}), UtilityResult(5, None, "boom"),
+                RequestFailed("r-3", "prompt: too long"), CoreFailed("CUDA error")]
+    for msg in messages:
+        assert message_decoder().decode(enc.encode(msg)) == msg
+    decoded = message_decoder().decode(enc.encode(messages[1]))
+    assert decoded.outputs == [out, plain]  # the engine's own output type, unchanged by the wire
+    # A message of the wrong direction, or garbage, is a decode error, not an arbitrary object.
+    import msgspec
+
+    with pytest.raises(msgspec.DecodeError):
+        request_decoder().decode(enc.encode(messages[0]))
+    with pytest.raises(msgspec.DecodeError):
+        message_decoder().decode(b"\x80\x04not-msgpack")

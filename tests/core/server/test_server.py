@@ -1,0 +1,375 @@
+"""`paged serve` end to end: a real server subprocess on a loopback port, driven with the official
+`openai` client (and httpx for what the client would not send)."""
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from helpers.server import API_KEY, alive, free_port, serve, wait_for
+from paged.core.sampling_params import SamplingParams
+
+MAX_TOKENS = 8
+MAX_MODEL_LEN = 256
+NUM_BLOCKS = 256
+PROMPTS = [
+    "Hello, my name is",
+    "The capital of France is",
+    "The future of AI is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The best way to learn a language is",
+    "Water boils at",
+    "My favourite colour is",
+]
+QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "What is 2 + 2?",
+             "Say hello in Spanish."]
+
+
+# --- fixtures ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(default_model_dir, tmp_path_factory):
+    port = free_port()
+    tmp = tmp_path_factory.mktemp("server")
+    # float32: the tests compare with an offline float32 run token for token (bfloat16 and int4 results
+    # depend on the batch a request shares, which differs between the two).
+    args = ["--model", default_model_dir, "--device", "cpu", "--dtype", "float32", "--attention", "torch", "--host", "127.0.0.1",
+            "--port", str(port), "--api-key", API_KEY, "--num-kv-blocks", str(NUM_BLOCKS),
+            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "64", "-q",
+            "--record-trace", str(tmp / "served.jsonl")]
+    with serve(args, tmp, port) as s:
+        s.core_pid = s.debug()["core_pid"]
+        s.trace_path = tmp / "served.jsonl"
+        yield s
+        # Clean shutdown on SIGTERM: the server exits 0 and takes its core with it.
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(60) == 0, s.log_tail()
+        wait_for(lambda: not alive(s.core_pid), 10, "the engine core to exit")
+
+
+@pytest.fixture(scope="module")
+def offline(default_model_dir):
+    from paged import LLM
+
+    llm = LLM(default_model_dir, device="cpu", dtype="float32", attention="torch", num_kv_blocks=NUM_BLOCKS,
+              max_model_len=MAX_MODEL_LEN)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    completions = [o.outputs[0].text for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+    chats = [o.outputs[0].text for o in llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS], greedy,
+                                                  use_tqdm=False)]
+    return {"completions": dict(zip(PROMPTS, completions)), "chat": dict(zip(QUESTIONS, chats))}
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model_name(client):
+    return client.models.list().data[0].id
+
+
+# --- end to end ---------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_health_models_version_auth(server, model_name):
+    assert server.get("/health").status_code == 200
+    assert server.get("/version").json()["version"]
+    assert model_name == Path(server.debug()["model"]["model_dir"]).name
+    r = server.get("/v1/models", key=None)
+    assert r.status_code == 401
+    assert r.json()["error"]["code"] == "invalid_api_key"
+    r = server.get("/v1/models", key="wrong")
+    assert r.status_code == 401 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.slow
+def test_outputs_equal_offline_greedy(server, client, model_name, offline):
+    # Completions, one prompt per request, non-streamed and streamed.
+    for prompt in PROMPTS[:2]:
+        r = client.completions.create(model=model_name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        assert r.choices[0].text == offline["completions"][prompt]
+        assert r.usage.completion_tokens >= 1 and r.usage.prompt_tokens >= 1
+        chunks = list(client.completions.create(model=model_name, prompt=prompt, max_tokens=MAX_TOKENS,
+                                                temperature=0, stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == offline["completions"][prompt]
+        assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == r.choices[0].finish_reason
+    # Several prompts in one request come back as one choice each, in order.
+    r = client.completions.create(model=model_name, prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0)
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [offline["completions"][p] for p in PROMPTS]
+    # Chat, non-streamed and streamed.
+    for q in QUESTIONS[:2]:
+        messages = [{"role": "user", "content": q}]
+        r = client.chat.completions.create(model=model_name, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+        assert r.choices[0].message.content == offline["chat"][q]
+        assert r.choices[0].message.role == "assistant"
+        stream = client.chat.completions.create(model=model_name, messages=messages, max_completion_tokens=MAX_TOKENS,
+                                                temperature=0, stream=True)
+        chunks = list(stream)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == offline["chat"][q]
+
+
+@pytest.mark.slow
+def test_sampling_options(server, client, model_name, offline):
+    prompt = PROMPTS[0]
+    # logprobs: the sampled token is the top one under greedy.
+    r = client.completions.create(model=model_name, prompt=prompt, max_tokens=4, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == r.choices[0].text
+    for token, top in zip(lp.tokens, lp.top_logprobs):
+        assert max(top, key=top.get) == token
+    r = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": QUESTIONS[0]}],
+                                       max_tokens=3, temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) >= 1 and all(len(c.top_logprobs) == 3 for c in content)
+    # n, seed and the extras (top_k, min_p, ignore_eos) through extra_body.
+    extras = {"top_k": 50, "min_p": 0.01, "ignore_eos": True, "priority": 1}
+    kw = dict(model=model_name, prompt=prompt, max_tokens=6, temperature=1.0, top_p=0.9, seed=123, n=2,
+              presence_penalty=0.1, frequency_penalty=0.1, extra_body=extras)
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert sorted(c.index for c in a.choices) == [0, 1] and a.usage.completion_tokens == 12
+    # stop strings end the text (not included) with finish_reason "stop".
+    full = offline["completions"][prompt]
+    stop = full.strip().split()[1]
+    r = client.completions.create(model=model_name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop" and stop not in r.choices[0].text
+    assert full.startswith(r.choices[0].text)
+
+
+@pytest.mark.slow
+def test_64_concurrent_streaming_clients(server, model_name, offline):
+    from openai import AsyncOpenAI
+
+    async def one(client, i: int) -> tuple[str, str]:
+        if i % 2 == 0:
+            prompt = PROMPTS[i % len(PROMPTS)]
+            stream = await client.completions.create(model=model_name, prompt=prompt, max_tokens=MAX_TOKENS,
+                                                     temperature=0, stream=True,
+                                                     stream_options={"include_usage": True})
+            text = "".join([c.choices[0].text async for c in stream if c.choices])
+            return text, offline["completions"][prompt]
+        q = QUESTIONS[i % len(QUESTIONS)]
+        stream = await client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": q}],
+                                                      max_tokens=MAX_TOKENS, temperature=0, stream=True)
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        return text, offline["chat"][q]
+
+    async def main():
+        client = AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=600)
+        try:
+            return await asyncio.gather(*[one(client, i) for i in range(64)])
+        finally:
+            await client.close()
+
+    results = asyncio.run(main())
+    assert all(got == want for got, want in results), [(g, w) for g, w in results if g != w][:3]
+    debug = server.debug()
+    assert debug["front_end_unfinished_requests"] == 0
+    assert debug["core"]["num_free_blocks"] == debug["core"]["num_blocks"] == NUM_BLOCKS
+
+
+@pytest.mark.slow
+def test_disconnected_clients_are_aborted_and_blocks_return(server, model_name):
+    import httpx
+    from openai import AsyncOpenAI
+
+    finished_label = 'paged:request_success_total{finished_reason="length"}'
+    finished_before = server.metrics().get(finished_label, 0.0)
+
+    async def main():
+        client = AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=600)
+        streams = []
+        for i in range(4):
+            stream = await client.completions.create(model=model_name, prompt=PROMPTS[i], max_tokens=200,
+                                                     temperature=0, stream=True, extra_body={"ignore_eos": True})
+            streams.append(stream)
+        for stream in streams:
+            await stream.__anext__()  # a token has arrived: the request is running
+        running = server.metrics()
+        for stream in streams:
+            await stream.close()  # the client goes away mid-stream
+        await client.close()
+        return running
+
+    running = asyncio.run(main())
+    assert running["paged:num_requests_running"] + running["paged:num_requests_waiting"] >= 1
+    assert running["paged:num_free_kv_blocks"] < NUM_BLOCKS
+    # A non-streamed request whose client goes away is aborted too. The client leaves once the
+    # server has generated tokens for it (an event; a client timer would race the 200 tokens).
+    def idle():
+        m = server.metrics()
+        return m["paged:num_requests_running"] == m["paged:num_requests_waiting"] == 0
+
+    wait_for(idle, 60, "the streams aborted")
+
+    async def leave_non_streamed():
+        tokens_before = server.metrics()["paged:generation_tokens_total"]
+        async with httpx.AsyncClient(timeout=600) as client:
+            request = asyncio.create_task(client.post(
+                server.url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                json={"model": model_name, "prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True}))
+            while server.metrics()["paged:generation_tokens_total"] <= tokens_before:
+                assert not request.done(), "the request finished before the client could leave"
+                await asyncio.sleep(0.05)
+            request.cancel()  # the connection closes mid-request
+            with pytest.raises(asyncio.CancelledError):
+                await request
+
+    asyncio.run(leave_non_streamed())
+
+    def all_back():
+        m = server.metrics()
+        return (m["paged:num_requests_running"] == 0 and m["paged:num_requests_waiting"] == 0
+                and m["paged:num_free_kv_blocks"] == m["paged:num_kv_blocks"] == NUM_BLOCKS)
+
+    wait_for(all_back, 60, "every request aborted and every KV block free")
+    assert server.debug()["front_end_unfinished_requests"] == 0
+    m = server.metrics()
+    assert m.get(finished_label, 0.0) == finished_before  # none of the five ran to its 200 tokens
+    assert m["paged:generation_tokens_total"] > 0 and m["paged:prompt_tokens_total"] > 0
+    assert m["paged:time_to_first_token_seconds_count"] > 0 and m["paged:e2e_request_latency_seconds_count"] > 0
+    assert m["paged:inter_token_latency_seconds_count"] > 0 and m["paged:request_queue_time_seconds_count"] > 0
+    assert "paged:prefix_cache_queries_total" in m and "paged:prefix_cache_hits_total" in m
+    assert "paged:num_preemptions_total" in m and "paged:kv_cache_usage_perc" in m
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "path,body,param,needle",
+    [
+        ("/v1/completions", {"prompt": "Hi", "temperature": -1}, "temperature", "temperature"),
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": "many"}, "max_tokens", "max_tokens"),
+        ("/v1/completions", {"prompt": "Hi", "n": 0}, "n", "n:"),
+        ("/v1/completions", {"prompt": "Hi", "top_p": 1.5}, "top_p", "top_p"),
+        ("/v1/completions", {"prompt": "Hi", "logprobs": 99}, "logprobs", "logprobs"),
+        ("/v1/completions", {"prompt": "Hi", "stop": 5}, "stop", "stop"),
+        ("/v1/completions", {"prompt": "Hi", "bogus_field": 1}, "bogus_field", "unrecognized"),
+        ("/v1/completions", {"prompt": list(range(1000, 1300))}, "prompt", f"max_model_len ({MAX_MODEL_LEN})"),
+        ("/v1/completions", {"prompt": "Hi " * 100, "max_tokens": 200}, "prompt", f"max_model_len ({MAX_MODEL_LEN})"),
+        ("/v1/completions", {"prompt": [10**9]}, "prompt_token_ids", "out of range"),
+        ("/v1/completions", {"max_tokens": 3}, "prompt", "prompt"),
+        ("/v1/completions", "{not json", None, "JSON"),
+        ("/v1/chat/completions", {"messages": "hi"}, "messages", "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+         "top_logprobs", "top_logprobs"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": False,
+                                  "stream_options": {"include_usage": True}}, "stream_options", "stream"),
+    ],
+)
+def test_bad_requests_get_400(server, path, body, param, needle):
+    r = server.post(path, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert needle in error["message"]
+
+
+@pytest.mark.slow
+def test_server_keeps_serving_after_errors(server, client, model_name, offline):
+    from openai import BadRequestError, NotFoundError
+
+    with pytest.raises(BadRequestError) as e:
+        client.completions.create(model=model_name, prompt="Hi", max_tokens=MAX_TOKENS, temperature=-1)
+    assert e.value.status_code == 400
+    with pytest.raises(NotFoundError):
+        client.completions.create(model="no-such-model", prompt="Hi", max_tokens=2)
+    with pytest.raises(BadRequestError):  # streamed requests fail before the stream starts
+        client.completions.create(model=model_name, prompt="Hi " * 300, stream=True)
+    r = client.completions.create(model=model_name, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].text == offline["completions"][PROMPTS[1]]
+    assert server.get("/health").status_code == 200
+
+
+@pytest.mark.slow
+def test_core_exits_when_front_end_dies(default_model_dir, tmp_path):
+    """The core process polls its parent: killing the front-end (SIGKILL, no clean-up) must not
+    leave an orphan core."""
+    script = (
+        "import sys, time\n"
+        "from paged.core.config import load_config\n"
+        "from paged.core.ipc.client import EngineCoreClient\n"
+        f"cfg = load_config(None, {{'model': {{'model': {default_model_dir!r}}}, 'device': 'cpu', "
+        "'attention': {'backend': 'torch'}, 'cache': {'num_blocks': 32}})\n"
+        "c = EngineCoreClient(cfg)\n"
+        "print(c.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        core_pid = int(proc.stdout.readline())
+        assert alive(core_pid)
+        proc.kill()
+        proc.wait()
+        wait_for(lambda: not alive(core_pid), 15, "the orphaned core to exit")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.slow
+def test_dead_core_fails_fast_then_the_server_exits(default_model_dir, tmp_path):
+    """A deployment from one config file; killing its engine core makes requests fail at once,
+    then the server exits non-zero (server.on_engine_death = exit, the default), for its
+    supervisor to restart it."""
+    from openai import APIError, APITimeoutError, OpenAI
+
+    port = free_port()
+    config = tmp_path / "deploy.toml"
+    config.write_text(
+        f'device = "cpu"\n'
+        f'[model]\nmodel = "{default_model_dir}"\nmax_model_len = {MAX_MODEL_LEN}\n'
+        f'[cache]\nnum_blocks = 64\n'
+        f'[attention]\nbackend = "torch"\n'
+        f'[server]\nhost = "127.0.0.1"\nport = {port}\nserved_model_name = "tiny"\n'
+    )
+    with serve(["--config", str(config), "-q"], tmp_path, port) as s:
+        client = OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list().data] == ["tiny"]  # from the file; no key configured
+        core_pid = s.debug()["core_pid"]
+        stream = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=200, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        next(iter(stream))
+        os.kill(core_pid, signal.SIGKILL)
+        # "Fails fast" without a clock: the open stream ends with the server's error, not the client's
+        # 120 s timeout, and before the 200 tokens it asked for.
+        received = 1
+        with pytest.raises(APIError) as ended:
+            for _ in stream:
+                received += 1
+        assert not isinstance(ended.value, APITimeoutError) and received < 200, (type(ended.value), received)
+        assert "died" in str(ended.value), ended.value
+        # Then the server drains (nothing is left open) and exits with code 1, on its own.
+        assert s.proc.wait(60) == 1, s.log_tail()
+        log = s.log.read_text()
+        assert f"pid {core_pid}" in log and "the server exits (server.on_engine_death = exit)" in log, log[-3000:]
+        assert "Traceback" not in log, log[-3000:]
+
+
+def test_served_requests_are_recorded_as_a_lab_trace(server, client, model_name):
+    from paged.core.lab.trace import read_trace
+
+    prompt = "Record this request"
+    out = client.completions.create(model=model_name, prompt=prompt, max_tokens=3, temperature=0, seed=5)
+    assert out.choices[0].finish_reason in ("length", "stop")
+    recorded = [r for r in read_trace(server.trace_path).requests if r.prompt == prompt]
+    assert recorded, "the finished request is in the trace"
+    request = recorded[-1]
+    assert request.prompt_token_ids and request.output_len == out.usage.completion_tokens
+    assert request.arrival_s >= 0 and request.sampling.get("seed") == 5

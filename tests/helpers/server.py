@@ -1,0 +1,104 @@
+"""A real `paged serve` subprocess on a loopback port for tests, and small waiting helpers."""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+API_KEY = "sk-paged-test"
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, port: int, log: Path) -> None:
+        self.proc, self.port, self.log = proc, port, log
+        self.url = f"http://127.0.0.1:{port}"
+
+    def get(self, path: str, key: str | None = API_KEY, **kw):
+        import httpx
+
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.get(self.url + path, timeout=30, headers={**headers, **kw.pop("headers", {})}, **kw)
+
+    def post(self, path: str, body, key: str | None = API_KEY, timeout=120):
+        import httpx
+
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        data = body if isinstance(body, (str, bytes)) else json.dumps(body)
+        return httpx.post(self.url + path, content=data, headers={**headers, "Content-Type": "application/json"},
+                          timeout=timeout)
+
+    def debug(self) -> dict:
+        return self.get("/debug/engine").json()
+
+    def metrics(self) -> dict[str, float]:
+        out = {}
+        for line in self.get("/metrics").text.splitlines():
+            m = re.match(r"^(paged:[a-zA-Z0-9_:]+)(\{[^}]*\})? ([-+0-9.eEinfNa]+)$", line)
+            if m:
+                out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+        return out
+
+    def log_tail(self) -> str:
+        return self.log.read_text()[-4000:] if self.log.exists() else ""
+
+
+@contextmanager
+def serve(args: list[str], tmp: Path, port: int, env: dict[str, str] | None = None):
+    log = tmp / f"serve-{port}.log"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "paged.core.cli", "serve", *args],
+                                stdout=f, stderr=subprocess.STDOUT, env=env)
+    server = Server(proc, port, log)
+    try:
+        import httpx
+
+        def healthy():
+            if proc.poll() is not None:
+                raise AssertionError(f"paged serve exited with {proc.returncode}:\n{server.log_tail()}")
+            try:
+                return httpx.get(server.url + "/health", timeout=5).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(healthy, 600, "/health to return 200", interval=0.5)
+        yield server
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

