@@ -12,7 +12,8 @@ __all__ = ["LLM", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):
-    # LLM pulls in torch and the model code: import it only when asked for.
+    # LLM pulls in torch, transformers and the model code: imported only when asked for, so that
+    # `import paged` (and SamplingParams) import no torch (tests/core/test_startup.py checks it).
     if name == "LLM":
         from paged.core.frontend.llm import LLM
 

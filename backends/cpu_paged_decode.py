@@ -1,4 +1,5 @@
-"""A fused paged-decode attention kernel for the CPU (C++, built on first use).
+"""A fused paged-decode attention kernel for the CPU (C++, built once per machine: by
+``.ci/setup``, else on first use).
 
 Why: the torch backend's decode path gathers every request's K/V blocks into a contiguous buffer
 (``index_select``) and then runs SDPA over it, so each layer writes a full copy of the batch's
@@ -35,8 +36,9 @@ rounded once at the end. The inner loops use 16-lane GCC/Clang vector types (pla
 Threads: OpenMP with ``at::get_num_threads()`` threads (``torch.set_num_threads`` applies); the
 library links libgomp, which resolves to the copy torch has loaded, so there is one thread pool.
 
-Build: ``paged.core.native`` compiles it with ``-O3 -march=native -fopenmp`` on first use and
-caches the library per machine, torch version and source (a C++ compiler and ninja are needed).
+Build: ``paged.core.native`` compiles it with ``-O3 -march=native -fopenmp`` (by ``.ci/setup``,
+else on first use) and every later process loads that build: one per machine, torch version and
+source (a C++ compiler and ninja are needed).
 ``load()`` returns ``None`` (after one warning) when the build or the load fails; the caller then
 keeps its own path.
 """
@@ -55,16 +57,14 @@ from paged.core import native
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = (Path(__file__).with_suffix(".cpp")).read_text()  # the kernel, next to this loader
+_SOURCE = native.read_source(Path(__file__).with_suffix(".cpp"))  # the kernel, next to this loader
 
 _CFLAGS = native.CFLAGS
 
 
-def _build_name() -> str:
+def build_name() -> str:
+    """The library's name in the build folder (``paged.core.native.build_name``)."""
     return native.build_name("paged_cpu_decode_", _SOURCE, _CFLAGS)
-
-
-_build_directory = native.build_directory
 
 
 _loaded: dict[str, ModuleType | None] = {}
@@ -72,10 +72,10 @@ _loaded: dict[str, ModuleType | None] = {}
 
 @functools.cache
 def load() -> Callable[..., None] | None:
-    """The kernel as a torch op (``torch.ops.paged_cpu.paged_decode``), built on first use;
+    """The kernel as a torch op (``torch.ops.paged_cpu.paged_decode``), loaded (built if need be) on first use;
     ``None`` with one warning per process if it cannot be built or loaded."""
     try:
-        _loaded["module"] = native.build_and_load(_build_name(), _SOURCE, _CFLAGS, "CPU paged-decode kernel", logger)
+        _loaded["module"] = native.build_and_load(build_name(), _SOURCE, _CFLAGS, "CPU paged-decode kernel", logger)
         return torch.ops.paged_cpu.paged_decode
     except Exception as e:  # noqa: BLE001 -- no compiler, no ninja, unwritable cache, ...: never fatal
         logger.warning("CPU paged-decode kernel unavailable, the torch backend gathers K/V instead: %s", e)

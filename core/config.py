@@ -20,14 +20,16 @@ import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from paged.core.errors import ConfigError
-from paged.core.hookspecs import AttentionBackendSpec, PolicySpec
+
+if TYPE_CHECKING:  # annotations only: the specs' module imports torch, which reading a config does not need
+    from paged.core.hookspecs import AttentionBackendSpec, PolicySpec
 
 logger = logging.getLogger("paged")
 
@@ -230,7 +232,8 @@ class EngineConfig(BaseSettings):
 
 
 # PAGED_* variables read elsewhere than the config (anything else PAGED_* should be a setting)
-OTHER_ENV_VARS = ("PAGED_PLUGINS", "PAGED_DISABLE_PLUGINS", "PAGED_CACHE_DIR", "PAGED_REQUIRE_MODEL")
+OTHER_ENV_VARS = ("PAGED_PLUGINS", "PAGED_DISABLE_PLUGINS", "PAGED_CACHE_DIR", "PAGED_REQUIRE_MODEL",
+                  "PAGED_STARTUP_TIMES", "PAGED_QUANTIZED_CACHE", "PAGED_CPU_LAYER_OPS")
 
 
 def config_keys() -> list[str]:
@@ -384,7 +387,7 @@ class ResolvedPlugins:
     attention_options: BaseModel | None
 
 
-def _validate_options(spec: PolicySpec | AttentionBackendSpec, options: dict[str, Any], field_name: str) -> BaseModel | None:
+def validate_options(spec: PolicySpec | AttentionBackendSpec, options: dict[str, Any], field_name: str) -> BaseModel | None:
     if spec.options is None:
         if options:
             raise ConfigError(f"{field_name}: {spec.name!r} takes no options, got {sorted(options)}")
@@ -408,7 +411,7 @@ def check_quantization(config: "EngineConfig", registry=None) -> None:
     if name in (NONE, AUTO):
         return
     registry = registry or get_registry()
-    _validate_options(registry.quantization_method(name), config.model.quantization_options,
+    validate_options(registry.quantization_method(name), config.model.quantization_options,
                       "model.quantization_options")
 
 
@@ -419,7 +422,7 @@ def resolve_plugins(config: EngineConfig, registry=None, device: str = "cpu") ->
 
     registry = registry or get_registry()
     policy = registry.policy(config.scheduler.policy)
-    policy_options = _validate_options(policy, config.scheduler.policy_options, "scheduler.policy_options")
+    policy_options = validate_options(policy, config.scheduler.policy_options, "scheduler.policy_options")
     if config.attention.backend == "auto":
         ranked = sorted(registry.attention_backends.values(), key=lambda s: -s.auto_priority)
         usable = [s for s in ranked if s.is_available(device)[0]]
@@ -435,7 +438,7 @@ def resolve_plugins(config: EngineConfig, registry=None, device: str = "cpu") ->
                 f"attention.backend: {attention.name!r} cannot run here: {reason}. "
                 f"Backends that work on this machine: {', '.join(working) or '(none)'}."
             )
-    attention_options = _validate_options(attention, config.attention.options, "attention.options")
+    attention_options = validate_options(attention, config.attention.options, "attention.options")
     return ResolvedPlugins(policy, policy_options, attention, attention_options)
 
 
@@ -448,7 +451,7 @@ def resolve_structured_output(config: EngineConfig, registry=None) -> tuple[Any,
     ok, reason = spec.is_available()
     if not ok:
         raise ConfigError(f"structured_output.backend: {spec.name!r} cannot run here: {reason}")
-    return spec, _validate_options(spec, config.structured_output.options, "structured_output.options")
+    return spec, validate_options(spec, config.structured_output.options, "structured_output.options")
 
 
 def dump_config(config: EngineConfig, fmt: str = "yaml") -> str:

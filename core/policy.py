@@ -63,7 +63,9 @@ recomputation included) and ``service_s(now)`` (seconds it has spent running). W
 policy keyed every step should use the counts instead), ``block_hashes`` (tuple), ``status``,
 ``cache_salt``, ``eos_token_id``, ``first_scheduled_time``, ``first_token_time`` and
 ``finished_time``. Anything else, and any assignment, raises an AttributeError that says what a
-policy can use instead (per-request state belongs in the policy, keyed by ``request_id``).
+policy can use instead (per-request state belongs in the policy, keyed by ``request_id``). The
+view reads the fields listed in ``RequestFields`` and nothing else; the engine's ``Request``
+provides them, so this contract imports no engine module.
 
 Invariants a policy cannot break whatever it returns: the token budget, ``max_num_seqs``, block
 accounting, prefix-cache correctness, and liveness (a budget split gives prefill at least one
@@ -77,8 +79,8 @@ from operator import attrgetter
 from types import MappingProxyType
 from typing import TYPE_CHECKING, ClassVar, Hashable, Protocol, Sequence, runtime_checkable
 
-if TYPE_CHECKING:  # the view wraps the engine's Request; the contract only names it
-    from paged.core.engine.request import Request
+if TYPE_CHECKING:
+    from paged.core.sampling_params import SamplingParams
 
 # A policy that keeps deferring stops admission for the step after this many deferrals: the
 # scheduler never scans an unbounded queue.
@@ -128,12 +130,52 @@ _NOT_OFFERED = {
 }
 
 
+class StatusFlags(Protocol):
+    """What the view needs of a request's status (the engine's ``RequestStatus`` members)."""
+
+    finished: bool
+
+
+@runtime_checkable
+class RequestFields(Protocol):
+    """Everything a ``RequestView`` reads of the request it wraps, by name. The contract is
+    defined here and the engine's ``Request`` (paged.core.engine.request) satisfies it, so the
+    contract depends on no engine class; a field renamed there must be renamed here too (a test
+    checks that the view reads nothing else and that ``Request`` has all of it)."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    all_token_ids: Sequence[int]  # prompt + output
+    block_hashes: Sequence[bytes]
+    sampling_params: "SamplingParams"
+    num_computed_tokens: int
+    num_cached_tokens: int
+    prefix_hit_tokens: int
+    arrival_time: float
+    priority: int
+    tenant: str | None
+    deadline: float | None
+    max_tokens: int
+    num_preemptions: int
+    num_service_tokens: int
+    sort_key: tuple
+    status: StatusFlags
+    cache_salt: str | None
+    eos_token_id: int | None
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+    running_s: float  # seconds spent running before the current run
+    running_since: float | None  # start of the current run; None while not running
+
+
 class RequestView:
     """A read-only window on a request for policies (one per request, made once)."""
 
     __slots__ = ("_request", "_prompt", "_params")
 
-    def __init__(self, request: "Request") -> None:
+    def __init__(self, request: RequestFields) -> None:
         setattr_ = object.__setattr__
         setattr_(self, "_request", request)
         setattr_(self, "_prompt", None)  # the prompt as a tuple, made on first read

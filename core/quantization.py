@@ -105,6 +105,13 @@ class QuantizationMethodSpec:
     (``BlockScales.kind``) this method is the home for, at their bit width (``int4`` holds
     Q4_0/Q4_1 exactly; ``int8`` holds Q8_0 with one scale per row instead of per block):
     ``quantization=auto`` sends each block-quantized weight to the method that keeps its kind.
+
+    Optional, for the packed-weight cache (``paged.core.loading.quantize``: a warm start reads
+    the quantized weights instead of computing them): ``restore(tensors, metadata, options) ->
+    QuantizedWeight | None`` rebuilds a weight from what its ``cache_tensors()`` returned
+    (``(dict of plain tensors, dict of str)``), or returns None when they do not fit this process
+    (another kernel layout: it is then quantized again). ``cache_version`` names the stored
+    layout; change it when ``cache_tensors`` changes, and old caches are ignored.
     """
 
     name: str
@@ -115,6 +122,8 @@ class QuantizationMethodSpec:
         default=lambda device, dtype: (True, "")
     )
     keeps: tuple[str, ...] = ()
+    restore: Callable[[dict[str, torch.Tensor], dict[str, str], Any], QuantizedWeight | None] | None = None
+    cache_version: str = ""
 
 
 def choose_auto(

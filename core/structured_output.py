@@ -30,12 +30,13 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
-from typing import Any
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING, Any
 
 from paged.core.errors import InvalidRequestError
+
+if TYPE_CHECKING:  # numpy and torch are imported where they are used: `import paged` loads neither
+    import numpy as np
+    import torch
 
 _KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
@@ -163,6 +164,8 @@ def bitmask_words(vocab_size: int) -> int:
 
 def allowed_token_ids(bitmask_row: torch.Tensor, vocab_size: int) -> np.ndarray:
     """The token ids whose bit is set in one int32 bitmask row."""
+    import numpy as np
+
     words = bitmask_row.numpy()
     nonzero = np.flatnonzero(words)  # only these words are unpacked: cheap for a narrow mask
     bits = np.unpackbits(words[nonzero].astype("<i4").view(np.uint8), bitorder="little").reshape(-1, 32)
@@ -178,6 +181,8 @@ def dead_end(matcher: GrammarMatcher, vocab_size: int, stop_token_ids: list[int]
     tokens in all: it proves emptiness only where the grammar dies within a narrow stretch
     (``[^\\s\\S]``, ``root ::= root``, a required property whose pattern matches nothing). The
     matcher is left somewhere in its grammar: use a fresh one."""
+    import torch
+
     bitmask = torch.zeros(1, bitmask_words(vocab_size), dtype=torch.int32)
     stops = set(stop_token_ids)
     budget = max_tokens

@@ -1,5 +1,5 @@
 """Fused CPU kernels for the elementwise layers: RMSNorm (with its residual add), rotary
-embedding, SiLU-and-mul (C++, built on first use).
+embedding, SiLU-and-mul (C++, built once per machine: by ``.ci/setup``, else on first use).
 
 Why: at batch 1 a decode step's weights are read in ~4 ms on this 2-core machine, and eager
 PyTorch spent as long again dispatching the ~80 small ops per layer around them: RMSNorm alone
@@ -15,7 +15,7 @@ bit of fp32: the summation order is its own).
 
 float32, bfloat16 and float16 CPU tensors. ``paged.models.layers`` calls them for CPU tensors in
 eager mode (``enabled``); under ``torch.compile`` inductor fuses the torch ops itself. Built with
-``paged.core.native`` (cached per machine and torch version; ``-ffp-contract=off`` so fp32
+``paged.core.native`` (once per machine and torch version; ``-ffp-contract=off`` so fp32
 products are rounded as torch rounds them). ``load()`` returns ``None`` after one warning when
 the build fails, and the layers keep their torch ops; ``PAGED_CPU_LAYER_OPS=0`` turns the
 kernels off (A/B measurements, debugging).
@@ -35,20 +35,24 @@ from paged.core import native
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_suffix(".cpp").read_text()
+_SOURCE = native.read_source(Path(__file__).with_suffix(".cpp"))
 _CFLAGS = [*native.CFLAGS, "-ffp-contract=off"]
+
+
+def build_name() -> str:
+    """The library's name in the build folder (``paged.core.native.build_name``)."""
+    return native.build_name("paged_cpu_layers_", _SOURCE, _CFLAGS)
 
 
 @functools.cache
 def load() -> Any | None:
     """The four kernels above as a Python module (no torch ops: only eager code calls them),
-    built on first use; ``None`` with one warning per process if they cannot be built or loaded,
+    loaded (built if need be) on first use; ``None`` with one warning per process if they cannot be built or loaded,
     or when ``PAGED_CPU_LAYER_OPS=0``."""
     if os.environ.get("PAGED_CPU_LAYER_OPS", "1") == "0":
         return None
     try:
-        name = native.build_name("paged_cpu_layers_", _SOURCE, _CFLAGS)
-        return native.build_and_load(name, _SOURCE, _CFLAGS, "CPU layer kernels", logger)
+        return native.build_and_load(build_name(), _SOURCE, _CFLAGS, "CPU layer kernels", logger)
     except Exception as e:  # noqa: BLE001 -- no compiler, no ninja, unwritable cache, ...: never fatal
         logger.warning("CPU layer kernels unavailable, the layers run their torch ops instead: %s", e)
         return None

@@ -2,9 +2,9 @@
 ``flashinfer``.
 
 ``attention=auto`` takes the available one with the highest priority: flashinfer (20), then
-triton (10), then torch (0). Loading this plugin imports neither Triton nor FlashInfer: their
-availability checks only look for the packages, and the factories import the backend modules
-when the engine constructs one.
+triton (10), then torch (0). Loading this plugin imports the three backend modules
+(paged.backends) but neither Triton nor FlashInfer: the availability checks only look for the
+packages (``find_spec``), and each package is imported when the engine constructs its backend.
 """
 
 from __future__ import annotations

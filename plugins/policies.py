@@ -6,8 +6,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from paged.core.hookspecs import PolicySpec, hookimpl
-from paged.core.policy import BasePolicy
-from paged.core.engine.request import Request
+from paged.core.policy import BasePolicy, RequestView
 from paged.plugins.cache_aware import CacheAwareOptions, CacheAwarePolicy
 from paged.plugins.fair import FairOptions, FairPolicy
 from paged.plugins.slo import SLOOptions, SLOPolicy
@@ -19,7 +18,7 @@ class FCFSPolicy(BasePolicy):
 
     name = "fcfs"
 
-    def sort_key(self, request: Request) -> tuple:
+    def sort_key(self, request: RequestView) -> tuple:
         return (request.arrival_time,)
 
 
@@ -49,7 +48,7 @@ class PriorityPolicy(BasePolicy):
     def __init__(self, options: PriorityOptions | None = None) -> None:
         super().__init__(options or PriorityOptions())
 
-    def sort_key(self, request: Request) -> tuple:
+    def sort_key(self, request: RequestView) -> tuple:
         aging = self.options.aging_s
         effective = request.priority + request.arrival_time / aging if aging > 0 else request.priority
         return (effective, request.arrival_time)

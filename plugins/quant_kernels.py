@@ -1,6 +1,6 @@
 """int4 and int8 x bfloat16 GEMMs for decode-sized batches on CPUs with AVX-512 BF16 (C++,
-built on first use), used by the bundled ``int4`` and ``int8`` methods
-(``paged.plugins.quantization``).
+built once per machine: by ``.ci/setup``, else on first use), used by the bundled ``int4`` and
+``int8`` methods (``paged.plugins.quantization``).
 
 Why: ``aten._weight_int4pack_mm_for_cpu`` widens every code to fp32 and multiplies-adds per
 weight, and streams a decode step's weights from memory at ~25 GB/s on this 2-core machine (half
@@ -53,8 +53,13 @@ from paged.core import native
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_suffix(".cpp").read_text()
+_SOURCE = native.read_source(Path(__file__).with_suffix(".cpp"))
 _CFLAGS = native.CFLAGS
+
+
+def build_name() -> str:
+    """The library's name in the build folder (``paged.core.native.build_name``)."""
+    return native.build_name("paged_quant_", _SOURCE, _CFLAGS)
 
 CHUNK = 64  # inputs per 32 packed bytes: K must be a multiple
 SUB = 32  # inputs per scale/zero entry: the group size must be a multiple
@@ -62,11 +67,10 @@ SUB = 32  # inputs per scale/zero entry: the group size must be a multiple
 
 @functools.cache
 def load() -> Any | None:
-    """The kernels as a Python module (``int4_gemm``, ``int8_gemm``), built on first use;
+    """The kernels as a Python module (``int4_gemm``, ``int8_gemm``), loaded (built if need be) on first use;
     ``None`` where they cannot run here."""
     try:
-        name = native.build_name("paged_quant_", _SOURCE, _CFLAGS)
-        module = native.build_and_load(name, _SOURCE, _CFLAGS, "CPU int4/int8 kernels", logger)
+        module = native.build_and_load(build_name(), _SOURCE, _CFLAGS, "CPU int4/int8 kernels", logger)
     except Exception as e:  # noqa: BLE001 -- no compiler, no ninja, unwritable cache, ...: never fatal
         logger.warning("CPU int4/int8 kernels unavailable, quantized weights use torch's kernels instead: %s", e)
         return None

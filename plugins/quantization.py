@@ -19,6 +19,8 @@ with ``scales_and_zeros [K/G, N, 2]`` in the activation dtype.
 
 from __future__ import annotations
 
+import json
+
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -102,11 +104,27 @@ class Int8Weight(_DenseFallback):
         self.dtype = weight.dtype
         w = weight.float()
         scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
-        self.qweight = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-        self.scale = scale.to(weight.dtype)
+        self._finish(torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous(),
+                     scale.to(weight.dtype), options)
+
+    def _finish(self, qweight: torch.Tensor, scale: torch.Tensor, options: WeightOnlyOptions) -> None:
+        self.qweight = qweight
+        self.scale = scale
         kernels = quant_kernels.load() if options.avx512_kernel else None
         self.kernel = kernels.int8_gemm if kernels and quant_kernels.supports_int8(self.shape, self.dtype) else None
-        self._init_dense(options, weight.dtype)
+        self._init_dense(options, self.dtype)
+
+    def cache_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """What ``restore_int8`` rebuilds this weight from (the packed-weight cache)."""
+        return {"qweight": self.qweight, "scale": self.scale}, {}
+
+    @classmethod
+    def restore(cls, tensors: dict[str, torch.Tensor], options: WeightOnlyOptions) -> Int8Weight:
+        self = cls.__new__(cls)
+        self.shape = tuple(tensors["qweight"].shape)
+        self.dtype = tensors["scale"].dtype
+        self._finish(tensors["qweight"], tensors["scale"], options)
+        return self
 
     def _quantized_linear(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
@@ -151,8 +169,7 @@ class Int4Weight(_DenseFallback):
         self.group_size = group_size
         s = scale.float().to(dtype)
         z = (offset.float() + 8.0 * scale.float()).to(dtype)
-        kernels = quant_kernels.load() if options.avx512_kernel else None
-        self.kernel = kernels.int4_gemm if kernels and quant_kernels.supports_int4(self.shape, group_size, dtype) else None
+        self._find_kernel(options)
         self.scales_and_zeros: torch.Tensor | None = None
         if self.kernel is not None:
             self.packed = quant_kernels.pack(codes, s, z, group_size)
@@ -160,8 +177,45 @@ class Int4Weight(_DenseFallback):
             self.packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
             self.scales_and_zeros = torch.stack([s.t(), z.t()], dim=-1).contiguous()
         # the dense copy from the codes at hand: what dequantize() computes, without reading the
-        # codes back out of the packed layout (a second or so of every start-up)
+        # codes back out of the packed layout (a second or so of a start-up without the cache)
         self._init_dense(options, dtype, lambda: self._dequantize_codes(codes, s, z))
+
+    def _find_kernel(self, options: Int4Options) -> None:
+        kernels = quant_kernels.load() if options.avx512_kernel else None
+        ok = kernels is not None and quant_kernels.supports_int4(self.shape, self.group_size, self.dtype)
+        self.kernel = kernels.int4_gemm if ok else None
+
+    def _layout(self) -> str:
+        return "paged" if self.kernel is not None else "torch"
+
+    def cache_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """What ``restore`` rebuilds this weight from (the packed-weight cache): the packed
+        codes in this process's layout and, when there is a dense copy, its values (the
+        dequantization a start-up would otherwise compute again)."""
+        tensors = {"packed": self.packed}
+        if self.scales_and_zeros is not None:
+            tensors["scales_and_zeros"] = self.scales_and_zeros
+        if self.dense is not None or self.packed_dense is not None:
+            tensors["dense"] = self.dense if self.dense is not None else self.dequantize()
+        meta = {"layout": self._layout(), "shape": json.dumps(self.shape), "group_size": str(self.group_size),
+                "dtype": str(self.dtype).removeprefix("torch.")}
+        return tensors, meta
+
+    @classmethod
+    def restore(cls, tensors: dict[str, torch.Tensor], meta: dict[str, str], options: Int4Options) -> Int4Weight | None:
+        """The weight ``cache_tensors`` stored, or None when it was packed for the other layout."""
+        self = cls.__new__(cls)
+        self.shape = tuple(json.loads(meta["shape"]))
+        self.dtype = getattr(torch, meta["dtype"])
+        self.group_size = int(meta["group_size"])
+        self._find_kernel(options)
+        if meta["layout"] != self._layout() or (options.dense_copy and "dense" not in tensors):
+            return None
+        self.packed = tensors["packed"]
+        self.scales_and_zeros = tensors.get("scales_and_zeros")
+        dense = tensors.get("dense")
+        self._init_dense(options, self.dtype, lambda: dense)
+        return self
 
     def _quantized_linear(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
@@ -212,6 +266,14 @@ def quantize_int8(weight: torch.Tensor, scales: BlockScales | None, options: Wei
     return Int8Weight(weight, options or WeightOnlyOptions())
 
 
+def restore_int8(tensors: dict[str, torch.Tensor], meta: dict[str, str], options: WeightOnlyOptions | None) -> Int8Weight:
+    return Int8Weight.restore(tensors, options or WeightOnlyOptions())
+
+
+def restore_int4(tensors: dict[str, torch.Tensor], meta: dict[str, str], options: Int4Options | None) -> Int4Weight | None:
+    return Int4Weight.restore(tensors, meta, options or Int4Options())
+
+
 def quantize_int4(weight: torch.Tensor, scales: BlockScales | None, options: Int4Options | None) -> Int4Weight | None:
     """Group-wise int4; ``Q4_0``/``Q4_1`` block scales (blocks of 32) are kept as they are when
     ``group_size`` is 32. None (the weight stays dense) where the packed layout cannot hold
@@ -229,15 +291,18 @@ def quantize_int4(weight: torch.Tensor, scales: BlockScales | None, options: Int
 
 @hookimpl
 def register_quantization_methods():
+    # the packed-weight cache's layout: bump the number when cache_tensors/restore change; the
+    # kernel library's build name follows its source (and with it the packed layout)
+    kernels = quant_kernels.build_name()
     return [
         QuantizationMethodSpec(
             "int8", quantize_int8, WeightOnlyOptions,
             "int8 per output channel (aten._weight_int8pack_mm); GGUF Q8_0 requantized per channel",
-            _cpu_only, keeps=("q8_0",),
+            _cpu_only, keeps=("q8_0",), restore=restore_int8, cache_version=f"int8-1:{kernels}",
         ),
         QuantizationMethodSpec(
             "int4", quantize_int4, Int4Options,
             "int4 in groups of 32 input features (aten._weight_int4pack_mm_for_cpu); keeps GGUF Q4_0/Q4_1",
-            _cpu_only, keeps=("q4_0", "q4_1"),
+            _cpu_only, keeps=("q4_0", "q4_1"), restore=restore_int4, cache_version=f"int4-1:{kernels}",
         ),
     ]

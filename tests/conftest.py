@@ -42,3 +42,62 @@ def hf_greedy(default_model_dir):
         return cache[key]
 
     return generate
+
+
+# --- running on several workers (pytest-xdist; pyproject: -n auto --dist loadgroup) --------------
+# A test file is one unit of work, so its module fixtures (a `paged serve`, a loaded model) are
+# made once. The README's bash blocks, each a few cold starts and independent of the others, are
+# one unit each. Units start slowest first (the order of SLOWEST_FIRST, then the rest) so that
+# the workers finish together; with --no-loadscope-reorder xdist keeps this order.
+SPREAD = {"tests/e2e/test_readme.py::test_readme_bash_block_runs"}
+SLOWEST_FIRST = [  # measured: `pytest --durations=0`, summed per unit
+    "tests/e2e/test_readme.py::test_readme_bash_block_runs",
+    "tests/e2e/test_readme.py",
+    "tests/core/server/test_server.py",
+    "tests/e2e/test_plugin_contracts.py",
+    "tests/core/server/test_structured.py",
+    "tests/core/engine/test_tensor_parallel.py",
+    "tests/core/frontend/test_llm.py",
+    "tests/core/server/test_bad_input.py",
+    "tests/core/server/test_supervision.py",
+    "tests/e2e/test_policy_server.py",
+    "tests/core/server/test_server_dp.py",
+    "tests/e2e/test_engine_parity.py",
+    "tests/e2e/test_gpt2_plugin.py",
+    "tests/core/engine/test_compiled_step.py",
+    "tests/backends/test_triton_attention.py",
+    "tests/core/loading/test_gguf.py",
+    "tests/core/frontend/test_tools.py",
+    "tests/e2e/test_readme_plugins.py",
+    "tests/core/lab/test_lab.py",
+    "tests/e2e/test_bfloat16.py",
+]
+
+
+def _unit(nodeid: str) -> str:
+    function = nodeid.split("[")[0]
+    return nodeid if function in SPREAD else nodeid.split("::")[0]
+
+
+def _rank(nodeid: str) -> int:
+    for i, prefix in enumerate(SLOWEST_FIRST):
+        if nodeid.startswith(prefix):
+            return i
+    return len(SLOWEST_FIRST)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_unit(item.nodeid)))
+    items.sort(key=lambda item: _rank(item.nodeid))  # stable: a file keeps its own order
+
+
+def pytest_configure(config):
+    # Workers share the cores: torch in each uses its share, not all of them (OpenMP threads
+    # spinning on a core another worker's thread needs slow both down many times over).
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))

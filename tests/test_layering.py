@@ -1,6 +1,8 @@
 """Imports go only downward: the layer rules of the README's layout section, checked on the AST
-of every module of the package (imports inside functions included), and no import cycle among
-module-level imports. A violation names the file and the line."""
+of every module of the package, and no import cycle. Both count every import: at module level,
+under ``if TYPE_CHECKING:`` and inside functions (a type-only or deferred import still ties the
+two modules together: neither can be read, moved or tested without the other). A violation names
+the file, the line and the kind of import."""
 
 from __future__ import annotations
 
@@ -37,31 +39,45 @@ def _resolve_relative(module: str, is_package: bool, level: int, target: str | N
     return ".".join(base + ([target] if target else []))
 
 
-def imports_of(name: str, path: Path) -> list[tuple[str, int, bool]]:
-    """``(imported module, line, at module level)``; ``from a import b`` yields ``a.b`` (which
-    may be a module or a name in ``a``; the rules below match prefixes, so both work). Imports
-    under ``if TYPE_CHECKING:`` count for the layer rules but not for cycles."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    out: list[tuple[str, int, bool]] = []
+MODULE_LEVEL, TYPE_ONLY, IN_FUNCTION = "module level", "type-only", "in a function"
 
-    def visit(node: ast.AST, top: bool) -> None:
-        for child in ast.iter_child_nodes(node):
-            child_top = top
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-                child_top = False
-            elif isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                child_top = False
-            if isinstance(child, ast.Import):
-                out.extend((alias.name, child.lineno, top) for alias in child.names)
-            elif isinstance(child, ast.ImportFrom):
-                base = child.module or ""
-                if child.level:
-                    base = _resolve_relative(name, path.name == "__init__.py", child.level, child.module)
-                out.extend((f"{base}.{alias.name}", child.lineno, top) for alias in child.names)
-            visit(child, child_top)
 
-    visit(tree, True)
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def imports_in(name: str, source: str, is_package: bool, filename: str = "<source>") -> list[tuple[str, int, str]]:
+    """``(imported module, line, kind)`` for every import in ``source`` (module ``name``), kind
+    one of MODULE_LEVEL, TYPE_ONLY (under ``if TYPE_CHECKING:``), IN_FUNCTION; ``from a import b``
+    yields ``a.b`` (which may be a module or a name in ``a``; the rules below match prefixes, so
+    both work)."""
+    out: list[tuple[str, int, str]] = []
+
+    def visit(nodes, kind: str) -> None:
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                out.extend((alias.name, node.lineno, kind) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = _resolve_relative(name, is_package, node.level, node.module)
+                out.extend((f"{base}.{alias.name}", node.lineno, kind) for alias in node.names)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                visit(ast.iter_child_nodes(node), IN_FUNCTION)
+            elif isinstance(node, ast.If) and _is_type_checking(node.test):
+                visit(node.body, kind if kind == IN_FUNCTION else TYPE_ONLY)
+                visit(node.orelse, kind)
+            else:
+                visit(ast.iter_child_nodes(node), kind)
+
+    visit(ast.parse(source, filename=filename).body, MODULE_LEVEL)
     return out
+
+
+def imports_of(name: str, path: Path) -> list[tuple[str, int, str]]:
+    return imports_in(name, path.read_text(), path.name == "__init__.py", str(path))
 
 
 def _under(module: str, *packages: str) -> bool:
@@ -79,6 +95,8 @@ def rule_violation(importer: str, imported: str) -> str | None:
     """Why ``importer`` may not import ``imported``, or None."""
     if _under(importer, CORE) and _under(imported, *OUTSIDE_CORE):
         return "paged.core never imports paged.models, paged.backends or paged.plugins"
+    if importer == "paged.core.policy" and _under(imported, "paged.core.engine"):
+        return "the policy contract depends on no engine class (the engine imports the contract)"
     if _under(importer, "paged.core.engine", "paged.core.loading") and _under(imported, *ABOVE_ENGINE):
         return "the engine and the loading machinery never import the layers above them"
     if _under(imported, LAB) and not _under(importer, LAB, CLI):
@@ -100,6 +118,8 @@ def test_the_rules_catch_what_they_should():
     assert rule_violation("paged.core.server.app", "paged.core.lab.trace.TraceRecorder")
     assert rule_violation("paged.core.frontend.llm", "paged.core.cli.main")
     assert rule_violation("paged.core.config", "paged.core.ipc.wire")
+    assert rule_violation("paged.core.policy", "paged.core.engine.request.Request")
+    assert rule_violation("paged.core.engine.request", "paged.core.policy.RequestView") is None
     assert rule_violation("paged.core.cli.lab", "paged.core.lab.replay") is None
     assert rule_violation("paged.models.llama", "paged.core.loading.weights") is None
     assert rule_violation("paged.core.frontend.llm", "paged.core.engine.engine_core") is None
@@ -110,10 +130,10 @@ def test_imports_only_go_downward():
     assert "paged.core.engine.scheduler" in files and "paged.models.llama" in files
     problems = []
     for name, path in files.items():
-        for imported, line, _ in imports_of(name, path):
+        for imported, line, kind in imports_of(name, path):
             why = rule_violation(name, imported)
             if why:
-                problems.append(f"{path.relative_to(ROOT)}:{line}: imports {imported}: {why}")
+                problems.append(f"{path.relative_to(ROOT)}:{line}: imports {imported} ({kind}): {why}")
     assert not problems, "layer violations:\n" + "\n".join(problems)
 
 
@@ -156,20 +176,67 @@ def test_find_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
-def test_no_import_cycles_at_module_level():
-    files = package_files()
-    modules = set(files)
+def import_graph(
+    imports: dict[str, list[tuple[str, int, str]]],
+) -> tuple[dict[str, set[str]], dict[tuple[str, str], tuple[int, str]]]:
+    """The import graph among the modules of ``imports`` (module -> its ``imports_in``), every
+    kind of import counted, and where each edge's first import is: ``(line, kind)``."""
+    modules = set(imports)
     graph: dict[str, set[str]] = {}
-    where: dict[tuple[str, str], int] = {}
-    for name, path in files.items():
+    where: dict[tuple[str, str], tuple[int, str]] = {}
+    for name, found in imports.items():
         graph[name] = set()
-        for imported, line, top in imports_of(name, path):
+        for imported, line, kind in found:
             target = _resolve_to_module(imported, modules)
             # a package's own __init__ is imported by its children anyway: not a cycle edge
-            if top and target and target != name and not name.startswith(target + "."):
+            if target and target != name and not name.startswith(target + "."):
                 graph[name].add(target)
-                where.setdefault((name, target), line)
-    cycle = find_cycle(graph)
-    if cycle:
-        steps = [f"{files[a].relative_to(ROOT)}:{where[(a, b)]}: imports {b}" for a, b in zip(cycle, cycle[1:])]
-        pytest.fail("import cycle:\n" + "\n".join(steps))
+                where.setdefault((name, target), (line, kind))
+    return graph, where
+
+
+def test_cycles_count_type_only_and_in_function_imports():
+    """Two cycles that counting module-level imports alone would miss, and two non-cycles."""
+    sources = {
+        # a -> b only under TYPE_CHECKING (for an annotation), b -> a at module level
+        "paged.a": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from paged.b import B\nA = 1\n",
+        "paged.b": "from paged.a import A\nB = 2\n",
+        # c -> d inside a function (a deferred import), d -> c at module level
+        "paged.c": "def f():\n    import paged.d\n    return paged.d\n",
+        "paged.d": "from paged import c\n",
+        # the else branch of a TYPE_CHECKING test runs: a module-level import
+        "paged.e": "import typing\nif typing.TYPE_CHECKING:\n    pass\nelse:\n    from paged.f import F\n",
+        "paged.f": "F = 3\n",
+        # a package and its child importing each other: the child's import is no cycle
+        "paged.pkg": "from paged.pkg.child import C\n",
+        "paged.pkg.child": "import paged.pkg\nC = 4\n",
+    }
+    imports = {name: imports_in(name, source, name == "paged.pkg") for name, source in sources.items()}
+    assert imports["paged.a"] == [("typing.TYPE_CHECKING", 1, MODULE_LEVEL), ("paged.b.B", 3, TYPE_ONLY)]
+    assert imports["paged.c"] == [("paged.d", 2, IN_FUNCTION)]
+    assert imports["paged.e"] == [("typing", 1, MODULE_LEVEL), ("paged.f.F", 5, MODULE_LEVEL)]
+    graph, where = import_graph(imports)
+    assert graph == {
+        "paged.a": {"paged.b"}, "paged.b": {"paged.a"}, "paged.c": {"paged.d"}, "paged.d": {"paged.c"},
+        "paged.e": {"paged.f"}, "paged.f": set(), "paged.pkg": {"paged.pkg.child"}, "paged.pkg.child": set(),
+    }
+    assert where[("paged.a", "paged.b")] == (3, TYPE_ONLY) and where[("paged.c", "paged.d")] == (2, IN_FUNCTION)
+    assert find_cycle({n: graph[n] for n in ("paged.a", "paged.b")}) == ["paged.a", "paged.b", "paged.a"]
+    assert find_cycle({n: graph[n] for n in ("paged.c", "paged.d")}) == ["paged.c", "paged.d", "paged.c"]
+    assert find_cycle({n: graph[n] for n in ("paged.e", "paged.f", "paged.pkg", "paged.pkg.child")}) is None
+
+
+def test_no_import_cycles():
+    files = package_files()
+    graph, where = import_graph({name: imports_of(name, path) for name, path in files.items()})
+    reports = []
+    # Each cycle found is reported, then cut at its closing edge to look for the next one.
+    while (cycle := find_cycle(graph)) is not None:
+        steps = []
+        for a, b in zip(cycle, cycle[1:]):
+            line, kind = where[(a, b)]
+            steps.append(f"  {files[a].relative_to(ROOT)}:{line}: imports {b} ({kind})")
+        reports.append("\n".join(steps))
+        graph[cycle[-2]].discard(cycle[-1])
+    if reports:
+        pytest.fail("import cycles:\n" + "\n\n".join(reports))

@@ -3,7 +3,6 @@ import line of the README's code examples works."""
 
 import importlib
 import re
-from pathlib import Path
 
 import pytest
 from helpers import REPO_ROOT

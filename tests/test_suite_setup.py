@@ -9,9 +9,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
 
-from helpers import REPO_ROOT, TESTS_DIR, run_cli
+from helpers import REPO_ROOT, TESTS_DIR
 
 
 def _run_pytest_on(tmp_path: Path, body: str, require: bool) -> subprocess.CompletedProcess:

@@ -53,7 +53,7 @@ def _add_engine_flags_without_policy(parser: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace):
-    from paged.core.cli.main import engine_config_from_args
+    from paged.core.cli.flags import engine_config_from_args
 
     if not hasattr(args, "policy_option"):
         args.policy_option = None
@@ -68,7 +68,7 @@ def _floats(text: str) -> list[float]:
 
 
 def add_lab_parser(sub, common: argparse.ArgumentParser) -> None:
-    from paged.core.cli.main import add_engine_flags
+    from paged.core.cli.flags import add_engine_flags
 
     lab = sub.add_parser("lab", help="policy lab: record, replay and compare scheduling policies on traces",
                          description=__doc__.split("\n\n")[0].replace("``", "`"))
@@ -319,10 +319,3 @@ def cmd_policies(args: argparse.Namespace) -> int:
         for o in item["options"]:
             print(f"    {o['name']}: {o['type']} = {o['default']!r}  {o['description']}")
     return 0
-
-
-def main_lab(argv: list[str] | None = None) -> int:  # for tests: `paged lab ...` without the rest
-    from paged.core.cli.main import main
-
-    return main(["lab", *(argv or [])])
-

@@ -11,11 +11,11 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
 from paged.core.cli.flags import (
-    CFG,
     Parser,
     add_engine_flags,
     add_sampling_flags,
@@ -27,8 +27,7 @@ from paged.core.cli.flags import (
 from paged.core.cli.show_config import cmd_config
 from paged.core.config import EngineConfig
 from paged.core.errors import ConfigError, PagedError
-
-_CFG = CFG  # the lab's flags share the dests
+from paged.core.loading import startup_times
 
 
 # --- paged plugins --------------------------------------------------------------------------
@@ -121,9 +120,11 @@ def _run_torchrun_worker(config: EngineConfig) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from paged.core.frontend.llm_engine import LLMEngine
+    with startup_times.phase("imports"):  # the engine's modules, torch and transformers among them
+        from paged.core.frontend.llm_engine import LLMEngine
 
-    config = engine_config_from_args(args)
+    with startup_times.phase("config"):
+        config = engine_config_from_args(args)
     if _is_torchrun_worker():
         return _run_torchrun_worker(config)
     items = _read_prompts(args)
@@ -133,7 +134,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if structured is not None:
         defaults["structured_output"] = structured
     _sampling_params(items, defaults)  # bad sampling flags fail before the model loads
-    engine = LLMEngine(config)
+    with startup_times.phase("engine"):  # what the phases timed inside (load, quantize, ...) leave
+        engine = LLMEngine(config)
     try:
         # greedy unless --temperature; the model's generation_config fills the fields nobody set
         params = _sampling_params(items, {**engine.default_sampling, **defaults})
@@ -158,6 +160,8 @@ def _sampling_params(items: list[dict[str, Any]], defaults: dict[str, Any]) -> l
 
 
 def _run_prompts(args: argparse.Namespace, engine, items: list[dict[str, Any]], params_list: list[Any]) -> int:
+    from paged.core.frontend.outputs import RequestOutputKind
+
     ids, prompts, served = [], [], []  # served: (params, priority) per request, for --record-trace
     for item, params in zip(items, params_list):
         priority = item.get("priority", args.priority)
@@ -169,15 +173,19 @@ def _run_prompts(args: argparse.Namespace, engine, items: list[dict[str, Any]], 
             if args.chat:
                 prompt = engine.apply_chat_template([{"role": "user", "content": prompt}])
             special = not args.chat
-        ids.append(engine.add_request(None, prompt, params, priority=priority, add_special_tokens=special))
+        ids.append(engine.add_request(None, prompt, params, priority=priority, add_special_tokens=special,
+                                      output_kind=RequestOutputKind.FINAL_ONLY))  # only the end is printed
         prompts.append(prompt)
         served.append((params, priority))
 
-    import time
-
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     outputs = engine.run_until_finished(ids)
     elapsed = time.perf_counter() - start
+    if startup_times.enabled:  # the generation's CPU seconds are not split: all go to "other tokens"
+        ttft = min((c.metrics.time_to_first_token for o in outputs for c in o.outputs
+                    if c.metrics and c.metrics.time_to_first_token), default=0.0)
+        startup_times.record("first token", ttft, float("nan"))
+        startup_times.record("other tokens", elapsed - ttft, time.process_time() - start_cpu)
     if args.record_trace:
         from paged.core.lab.trace import trace_from_outputs, write_trace
 
@@ -350,11 +358,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    age = startup_times.process_age() if startup_times.enabled else None
+    cpu = time.process_time()
     logging.basicConfig(
         level=logging.WARNING if args.quiet else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if startup_times.enabled:  # PAGED_STARTUP_TIMES=1: benchmarks/startup.py reads these lines
+        startup_times.logger.setLevel(logging.DEBUG)
+        startup_times.record("interpreter, CLI imports, flags", age or 0.0, cpu)
     try:
         return args.func(args) or 0
     except PagedError as e:

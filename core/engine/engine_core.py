@@ -21,7 +21,7 @@ from typing import Callable, Iterable
 from paged.core.config import EngineConfig, check_quantization, resolve_plugins, resolve_structured_output
 from paged.core.engine.grammar import StructuredOutputManager
 from paged.core.engine.kv_cache_manager import KVCacheManager
-from paged.core.engine.outputs import EngineCoreOutput
+from paged.core.engine.outputs import EngineCoreOutput, EngineCoreRequest
 from paged.core.engine.request import Request, RequestStatus
 from paged.core.engine.scheduler import Scheduler, SchedulerOutput
 from paged.core.engine.plugin_faults import PluginCode, describe, log_fault, plugin_code
@@ -155,11 +155,15 @@ class EngineCore:
         self.dead = f"the engine stopped: {message}"
         return EngineError(self.dead)
 
-    def add_request(self, request: Request) -> None:
-        """Queue a request; raises InvalidRequestError if it could never run. A constrained one
-        waits here, outside the scheduler, until its grammar is compiled."""
+    def add_request(self, request: EngineCoreRequest | Request) -> None:
+        """Queue a request: a front-end's ``EngineCoreRequest`` (its ``Request`` is built here)
+        or a ``Request`` built by an engine-level caller (tests, the lab). Raises
+        InvalidRequestError if it could never run. A constrained one waits here, outside the
+        scheduler, until its grammar is compiled."""
         if self.dead is not None:
             raise EngineError(self.dead)
+        if isinstance(request, EngineCoreRequest):
+            request = request.to_request()
         params = request.sampling_params.structured_output
         if params is None:
             self.scheduler.add_request(request)
@@ -204,8 +208,8 @@ class EngineCore:
                 self.scheduler.add_request(request)  # the policy's admission control decides now
             except RequestRejectedError as e:
                 request.status = RequestStatus.FINISHED_REJECTED
-                failed.append(EngineCoreOutput(request_id, [], finish_reason="rejected", arrival_time=request.arrival_time,
-                                               reject_reason=str(e)))
+                request.reject_reason = str(e)
+                failed.append(EngineCoreOutput.ended(request))
         return failed
 
     def step(self) -> list[EngineCoreOutput]:

@@ -1,12 +1,12 @@
 """Structured outputs in the engine core: constraints compiled off the step, matchers per request.
 
-``StructuredOutputManager.submit(request)`` returns a future of the request's ``GrammarMatcher``,
-built in a small thread pool: the backend itself (tokenizer tables, ~1 s) on the first
-constrained request, then the compiled constraint (cached by ``params.cache_key()``, LRU), then
-a fresh matcher. The engine core holds the request outside the scheduler until the future is
-done, so the batch never waits for a compilation. Nothing here runs per token: the matchers'
-``fill_bitmask`` is called by the sampler and ``accept_token`` by the scheduler's
-``update_from_output``.
+``StructuredOutputManager.submit(params)`` returns a future of a fresh ``GrammarMatcher`` for a
+request's constraint (its ``StructuredOutputParams``), built in a small thread pool: the backend
+itself (tokenizer tables, ~1 s) on the first constrained request, then the compiled constraint
+(cached by ``params.cache_key()``, LRU), then a fresh matcher. The engine core holds the request
+outside the scheduler until the future is done, so the batch never waits for a compilation.
+Nothing here runs per token: the matchers' ``fill_bitmask`` is called by the sampler and
+``accept_token`` by the scheduler's ``update_from_output``.
 """
 
 from __future__ import annotations

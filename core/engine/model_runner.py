@@ -7,8 +7,12 @@ sum of query lengths, ``seq_lens`` the context after this step, ``block_table`` 
 request and ``slot_mapping`` the cache slot of every new token. Logits are computed only at the
 last token of requests whose known tokens are all computed after this step (``is_sampled``).
 
-The runner keeps each request's block ids across steps (admission sends the full list, later
-steps only the new blocks), so a step costs O(new tokens + requests), not O(blocks held).
+The block tables live in a persistent batch (``paged.core.engine.input_batch.InputBatch``): one
+row per request the runner holds, written once when the request is admitted (the scheduler sends
+its full block list), appended with the new block ids of later steps (mostly none), freed when it
+finishes or is preempted (the last row moves into the hole). A step's Python work is
+O(requests + new tokens); its block table (a gather of the scheduled rows), positions and slot
+mapping are vectorised numpy over those rows, never a per-request copy of the blocks held.
 
 Under tensor parallelism every rank has a runner over its share of the model and of the KV
 heads; the scheduler and the sampler exist on rank 0 only. Rank 0 flattens the step into
@@ -19,7 +23,6 @@ runs the same forward; rank 0 receives the gathered logits and samples. The othe
 
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import dataclass
 
@@ -30,6 +33,7 @@ from paged.core.attention import AttentionLayout, BatchInputs
 from paged.core.config import EngineConfig, ResolvedPlugins
 from paged.core.engine.compiled_step import CompiledForward, OpaqueAttention
 from paged.core.engine.distributed import get_tp, shard_heads
+from paged.core.engine.input_batch import InputBatch
 from paged.core.utils import cdiv
 from paged.core.engine.sampler import Sampler, SamplerOutput
 from paged.core.engine.scheduler import SchedulerOutput
@@ -131,9 +135,8 @@ class ModelRunner:
             logger.info("model.compile: %s in %.1f s (steps of up to %d tokens)",
                         "eager fallback" if compiled.failed else "compiled", seconds, compiled.max_tokens)
         self.max_blocks_per_req = cdiv(self.max_model_len, self.block_size)
-        max_seqs = config.scheduler.max_num_seqs
-        self._block_table = np.zeros((max_seqs, self.max_blocks_per_req), dtype=np.int32)
-        self.block_ids: dict[str, list[int]] = {}
+        # Rank 0 only reads it (the other ranks get each step's table in the broadcast).
+        self.input_batch = InputBatch(config.scheduler.max_num_seqs, self.max_blocks_per_req)
         capacity = self.num_blocks * self.block_size
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s); max concurrency at max_model_len "
@@ -281,24 +284,12 @@ class ModelRunner:
         )
 
     # --- one step -----------------------------------------------------------------------
-    def _update_block_ids(self, output: SchedulerOutput) -> None:
-        for request_id in output.preempted_request_ids:
-            self.block_ids.pop(request_id, None)
-        for request_id in output.finished_request_ids:
-            self.block_ids.pop(request_id, None)
-        if output.finished_request_ids:
-            self.sampler.forget(output.finished_request_ids)
-        for scheduled in output.scheduled:
-            request_id = scheduled.request.request_id
-            held = self.block_ids.get(request_id)
-            if held is None:  # admitted this step: the full list
-                self.block_ids[request_id] = list(scheduled.new_block_ids)
-            else:
-                held.extend(scheduled.new_block_ids)
-
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> StepResult:
-        self._update_block_ids(output)
+        if output.finished_request_ids:
+            self.sampler.forget(output.finished_request_ids)
+        removed = output.preempted_request_ids + output.finished_request_ids
+        self.input_batch.update(removed, output.scheduled)
         if not output.scheduled:
             return StepResult({}, {})
         inputs, sample_requests = self._prepare_inputs(output)
@@ -313,50 +304,50 @@ class ModelRunner:
         return StepResult(token_ids, logprobs)
 
     def _prepare_inputs(self, output: SchedulerOutput) -> tuple[StepInputs, list]:
-        """Flatten the scheduled requests (decodes first); also the requests sampled this step,
-        in the order of ``logits_rows``."""
+        """Flatten the scheduled requests (decodes first), every one held by ``input_batch``;
+        also the requests sampled this step, in the order of ``logits_rows``."""
         order = sorted(output.scheduled, key=lambda s: s.num_new_tokens != 1)  # stable within each group
         num_reqs = len(order)
-        num_decodes = sum(1 for s in order if s.num_new_tokens == 1)
-        bs = self.block_size
-        token_chunks, position_chunks, slot_chunks = [], [], []
-        query_lens = np.empty(num_reqs, dtype=np.int32)
-        seq_lens = np.empty(num_reqs, dtype=np.int32)
-        table = self._block_table[:num_reqs]
-        max_blocks = 1
-        sample_rows: list[int] = []
+        row_of = self.input_batch.row_of
+        # The one per-request Python pass: what only the scheduler's objects know.
+        rows, starts, query_lens, token_ids = [], [], [], []
+        sample_index: list[int] = []
         sample_requests = []
         for i, s in enumerate(order):
             request = s.request
             start, n = s.num_computed_tokens, s.num_new_tokens
-            ids = self.block_ids[request.request_id]
-            table[i, : len(ids)] = ids
-            max_blocks = max(max_blocks, len(ids))
-            query_lens[i] = n
-            seq_lens[i] = start + n
-            token_chunks.append(request.all_token_ids[start : start + n])
+            rows.append(row_of[request.request_id])
+            starts.append(start)
+            query_lens.append(n)
             if n == 1:
-                position_chunks.append((start,))
-                slot_chunks.append((ids[start // bs] * bs + start % bs,))
+                token_ids.append(request.all_token_ids[start])
             else:
-                pos = np.arange(start, start + n)
-                position_chunks.append(pos)
-                slot_chunks.append(np.asarray(ids, dtype=np.int64)[pos // bs] * bs + pos % bs)
+                token_ids.extend(request.all_token_ids[start : start + n])
             if s.is_sampled:
                 sample_requests.append(request)
-                sample_rows.append(i)
+                sample_index.append(i)
+        rows_arr = np.array(rows, dtype=np.int64)
+        starts_arr = np.array(starts, dtype=np.int64)
+        lens_arr = np.array(query_lens, dtype=np.int32)
         qsl = np.zeros(num_reqs + 1, dtype=np.int32)
-        np.cumsum(query_lens, out=qsl[1:])
+        np.cumsum(lens_arr, out=qsl[1:])
         num_tokens = int(qsl[-1])
+        num_decodes = int(np.count_nonzero(lens_arr == 1))
+        if num_tokens == num_reqs:  # decodes only: one token per request, at its first new position
+            positions, token_rows = starts_arr, rows_arr
+        else:
+            # token t of request i sits at starts[i] + (t - qsl[i])
+            positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts_arr - qsl[:-1], lens_arr)
+            token_rows = np.repeat(rows_arr, lens_arr)
         inputs = StepInputs(
             num_decodes=num_decodes,
-            input_ids=np.fromiter(itertools.chain.from_iterable(token_chunks), dtype=np.int64, count=num_tokens),
-            positions=np.concatenate([np.asarray(c, dtype=np.int64) for c in position_chunks]),
+            input_ids=np.array(token_ids, dtype=np.int64),
+            positions=positions,
             query_start_loc=qsl,
-            seq_lens=seq_lens,
-            block_table=table[:, :max_blocks],
-            slot_mapping=np.concatenate([np.asarray(c, dtype=np.int64) for c in slot_chunks]),
-            logits_rows=qsl[1:][sample_rows].astype(np.int64) - 1,
+            seq_lens=(starts_arr + lens_arr).astype(np.int32),
+            block_table=self.input_batch.gather_block_table(rows_arr),
+            slot_mapping=self.input_batch.slot_mapping(token_rows, positions, self.block_size),
+            logits_rows=qsl[1:][sample_index].astype(np.int64) - 1,
         )
         return inputs, sample_requests
 

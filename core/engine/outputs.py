@@ -1,5 +1,7 @@
-"""What one engine step reports per request: the one message type used in-process
-(``EngineCore.step``) and on the wire between an engine-core process and its front-end."""
+"""The engine core's two per-request messages, each the one type used both in-process and on
+the wire between an engine-core process and its front-end: ``EngineCoreRequest`` (what a
+front-end adds; ``EngineCore.add_request`` builds the engine's ``Request`` from it) and
+``EngineCoreOutput`` (what one step reports per request)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,31 @@ import msgspec
 
 from paged.core.engine.request import Request, RequestStatus
 from paged.core.engine.sampler import TokenLogprobs
+from paged.core.sampling_params import SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct, tag="add", array_like=True):
+    """One core request (one sample of a front-end request), validated by the front-end, which
+    builds it once and sends it as is: in-process to ``EngineCore.add_request``, or encoded to
+    an engine-core process (``tag``: its name in ``paged.core.ipc.messages.CoreRequest``). The n
+    samples of a request share one ``prompt_token_ids`` list: nothing may mutate it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    cache_salt: str | None = None
+    eos_token_id: int | None = None
+    max_tokens: int = 16  # resolved by the front-end against max_model_len
+    tenant: str | None = None
+    deadline: float | None = None  # absolute, time.monotonic() (the same clock in every process)
+
+    def to_request(self) -> Request:
+        """The engine's own request (it copies the prompt into its growing token list)."""
+        return Request(self.request_id, self.prompt_token_ids, self.sampling_params, arrival_time=self.arrival_time,
+                       priority=self.priority, cache_salt=self.cache_salt, eos_token_id=self.eos_token_id,
+                       max_tokens=self.max_tokens, tenant=self.tenant, deadline=self.deadline)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -33,6 +33,8 @@ class Request:
     ``0 <= num_computed_tokens <= len(all_token_ids)``; the request holds
     ``ceil(num_computed_tokens / block_size)`` or more blocks while running (the KV manager owns
     the block list). ``block_hashes[i]`` is the chained hash of full block i of all_token_ids.
+    Policies see it through ``view``; the fields the view reads are the contract's
+    (``paged.core.policy.RequestFields``), so renaming one here means renaming it there.
     """
 
     request_id: str

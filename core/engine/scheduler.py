@@ -219,10 +219,10 @@ class Scheduler:
     def _victim(self, candidates: list[Request]) -> Request:
         """The policy's victim among ``candidates``; the largest key if it names another."""
         chosen = self.policy.select_victim([r.view for r in candidates])
-        request = getattr(chosen, "_request", chosen)
-        if not any(request is r for r in candidates):
-            request = max(reversed(candidates), key=_sort_key)
-        return request
+        for request in candidates:  # each request has one view: found by identity
+            if request.view is chosen or request is chosen:
+                return request
+        return max(reversed(candidates), key=_sort_key)
 
     def _stop_running(self, request: Request, now: float) -> None:
         if request.running_since is not None:
@@ -342,7 +342,12 @@ class Scheduler:
             self._displace(output)
         num_displaced = len(output.preempted_request_ids)
         budget = self.max_num_batched_tokens
-        prefill_left, threshold = budget_split(self, now)
+        # Without chunked prefill a prompt is admitted whole: the policy's split does not apply.
+        split_budget = self._split_budget if self.enable_chunked_prefill else None
+        prefill_left, threshold = budget_split(
+            split_budget, now, self.running, len(self.waiting), self.kv, self.max_num_batched_tokens,
+            self.long_prefill_token_threshold,
+        )
 
         # Running requests, in order; victims come from those not yet scheduled (index >= i).
         scheduled = output.scheduled
@@ -447,7 +452,11 @@ class Scheduler:
         if self._failed:
             self._end_failed(output)
         if self._on_step is not None:
-            self._on_step(step_stats(self, output, now, len(deferred)))
+            self._on_step(step_stats(
+                output.scheduled, now=now, token_budget=self.max_num_batched_tokens, num_running=len(self.running),
+                num_waiting=len(self.waiting), num_preempted=len(output.preempted_request_ids),
+                num_deferred=len(deferred), num_rejected=len(output.rejected), kv_usage=self.kv.usage,
+            ))
         return output
 
     def update_from_output(

@@ -1,1 +1,3 @@
-"""Front-ends: input/output processing, detokenizer, LLMEngine, LLM, AsyncLLM, DP routing."""
+"""Front-ends: input/output processing (``processor``), the per-request state outputs are built
+from (``request_state``), the streams the asynchronous front-end hands them to (``stream``),
+detokenizer, LLMEngine, LLM, AsyncLLM, DP routing."""

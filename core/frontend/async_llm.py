@@ -1,9 +1,11 @@
 """The asynchronous front-end: an engine core in its own process, driven over ZeroMQ.
 
-``AsyncLLM`` = InputProcessor (tokenize, validate, fan out n > 1) + ``EngineCoreClient`` (the
-core process) + OutputProcessor (incremental detokenization, stop strings), composed like the
-in-process ``LLMEngine`` but with the core behind sockets. One output-handler task pulls the
-core's outputs and routes each request's ``RequestOutput``s to that request's asyncio queue;
+``AsyncLLM`` = InputProcessor (tokenize, validate, fan out n > 1, build the core messages) +
+``EngineCoreClient`` (the core process) + OutputProcessor (the per-request states: incremental
+detokenization, stop strings, outputs as each request's ``RequestOutputKind`` asks), composed
+like the in-process ``LLMEngine`` but with the core behind sockets. One output-handler task pulls
+the core's outputs; the output processor puts each request's outputs straight into that
+request's ``RequestStream`` (``paged.core.frontend.stream``), which its consumer reads;
 ``generate()`` streams them and aborts the request in the core when its consumer goes away.
 
 With ``parallel.data_parallel_size`` N > 1 there are N cores behind the same sockets: a
@@ -42,17 +44,18 @@ from paged.core.ipc.messages import (
     RequestFailed,
     UtilityCall,
     UtilityResult,
-    request_to_wire,
 )
 from paged.core.errors import InvalidRequestError, PagedError, RequestRejectedError
-from paged.core.frontend.outputs import RequestOutput
+from paged.core.frontend.outputs import RequestOutput, RequestOutputKind
 from paged.core.frontend.processor import InputProcessor, OutputProcessor, structured_output_validator
-from paged.core.frontend.request_state import FrontRequest, RequestStream, StatsObserver
+from paged.core.frontend.request_state import RequestState, SampleState
+from paged.core.frontend.stats_observer import StatsObserver
+from paged.core.frontend.stream import RequestStream
 from paged.core.sampling_params import SamplingParams
 
 logger = logging.getLogger("paged")
 
-__all__ = ["AsyncLLM", "EngineDeadError", "RequestStream", "StatsObserver"]
+__all__ = ["AsyncLLM", "EngineDeadError", "RequestOutputKind", "RequestStream", "StatsObserver"]
 
 _POLL_MS = 200  # how often the output handler checks that the core is alive when it is quiet
 
@@ -71,8 +74,6 @@ class AsyncLLM:
         self.input_processor = InputProcessor(tokenizer, self.model_info, structured_output_validator(config))
         self.output_processor = OutputProcessor()
         self.observer = observer or StatsObserver()
-        self.requests: dict[str, FrontRequest] = {}  # by request id: one record per request
-        self._by_child: dict[str, FrontRequest] = {}  # child (core request) id -> its request: an index
         self._utility_futures: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -130,17 +131,29 @@ class AsyncLLM:
     def core_loads(self) -> list[int]:
         """Per core, by rank: the unfinished core requests (children) the front-end sent to it."""
         if self.router is None:
-            return [sum(len(r.live_child_ids) for r in self.requests.values())]
+            return [self.output_processor.num_live_samples]
         return list(self.router.loads)
+
+    @property
+    def requests(self) -> dict[str, RequestState]:
+        """The open requests' states, by request id (the output processor's: one per request)."""
+        return self.output_processor.requests
 
     @property
     def streams(self) -> dict[str, RequestStream]:
         """The open requests' streams, by request id (a snapshot)."""
-        return {rid: r.stream for rid, r in self.requests.items()}
+        return {rid: state.stream for rid, state in self.requests.items()}
 
     @property
     def is_alive(self) -> bool:
         return self._dead is None and self.client.alive
+
+    @property
+    def death_reason(self) -> str | None:
+        """Why the engine is dead; None while it is alive."""
+        if self._dead is not None:
+            return self._dead
+        return None if self.client.alive else self.client.death_message()
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -180,38 +193,36 @@ class AsyncLLM:
         prompt_token_ids: list[int] | None = None,
         tenant: str | None = None,
         deadline_s: float | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> RequestStream:
         """Validate and send a request to the core. Raises InvalidRequestError (nothing sent) or
         EngineDeadError at once; a rejection by the core (RequestRejectedError when the policy's
         admission control turns it away) comes out of the stream. A text prompt's
-        ``prompt_token_ids``, when given, were tokenized by the caller (off the event loop)."""
+        ``prompt_token_ids``, when given, were tokenized by the caller (off the event loop).
+        ``output_kind``: what the stream yields (``RequestOutputKind``: every step's whole output
+        so far, its increments, or the final output alone)."""
         self._check_alive()
         self._ensure_handler()
         request_id = f"req-{next(self._request_ids)}" if request_id is None else str(request_id)
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id: {request_id!r} is already in use")
-        parent, requests = self.input_processor.process(
+        state, requests = self.input_processor.process(
             request_id, prompt, params or SamplingParams(), priority, arrival_time, cache_salt, add_special_tokens,
-            prompt_token_ids=prompt_token_ids, tenant=tenant, deadline_s=deadline_s,
+            prompt_token_ids=prompt_token_ids, tenant=tenant, deadline_s=deadline_s, output_kind=output_kind,
         )
-        stream = RequestStream(self, request_id)
-        child_ids = [request.request_id for request in requests]
-        front = FrontRequest(request_id, stream, child_ids, set(child_ids))
-        self.requests[request_id] = front
-        for child_id in child_ids:
-            self._by_child[child_id] = front
-        self.output_processor.add(parent)
+        stream = state.stream = RequestStream(request_id, self.abort)
+        self.output_processor.add(state)
         try:
-            for request in requests:
+            for request in requests:  # the core messages, sent as the input processor built them
                 core = 0 if self.router is None else self.router.route(
                     request.request_id, request.prompt_token_ids, request.cache_salt)
-                await self.client.send(request_to_wire(request), core)
+                await self.client.send(request, core)
         except BaseException:
             self.abort(request_id)
             raise
-        self.observer.prompt_tokens(len(parent.prompt_token_ids) * len(requests))
+        self.observer.prompt_tokens(len(state.prompt_token_ids) * len(requests))
         if self.trace_recorder is not None:
-            self.trace_recorder.add(request_id, params or SamplingParams(), priority, parent.prompt)
+            self.trace_recorder.add(request_id, params or SamplingParams(), priority, state.prompt)
         return stream
 
     async def generate(
@@ -222,8 +233,9 @@ class AsyncLLM:
         priority: int = 0,
         **kwargs: Any,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream the request's outputs (cumulative text plus ``new_text`` deltas). Closing the
-        generator or cancelling its consumer aborts the request in the core."""
+        """Stream the request's outputs: by default (``output_kind`` CUMULATIVE) the text so far
+        plus ``new_text`` deltas at every step (``add_request``'s keywords are accepted). Closing
+        the generator or cancelling its consumer aborts the request in the core."""
         stream = await self.add_request(request_id, prompt, params, priority, **kwargs)
         try:
             async for output in stream:
@@ -233,26 +245,16 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         """Forget a request and abort its children in the core; unknown ids are ignored."""
-        front = self.requests.get(request_id)
-        if front is None:
+        state = self.requests.get(request_id)
+        if state is None:
             return
-        if not front.stream.finished:
-            front.stream._put(None)  # ends a consumer's iteration
+        if not state.stream.finished:
+            state.stream.put(None)  # ends a consumer's iteration
         if self.trace_recorder is not None:
             self.trace_recorder.discard(request_id)
-        live = self._forget(front)
+        live = self.output_processor.remove(request_id)
         if live:
             self._send_aborts(live, "abort")
-
-    def _forget(self, front: FrontRequest) -> list[str]:
-        """Drop a request from the front-end: the one place that does. Returns the children still
-        live in the core (for the caller to abort)."""
-        self.requests.pop(front.request_id, None)
-        for child_id in front.child_ids:
-            self._by_child.pop(child_id, None)
-        self.output_processor.remove(front.request_id)
-        live, front.live_child_ids = sorted(front.live_child_ids), set()
-        return live
 
     def _send_aborts(self, child_ids: list[str], status: str) -> None:
         """Abort core requests in the core(s) that hold them; they end for the router too."""
@@ -348,80 +350,67 @@ class AsyncLLM:
                         else:
                             fut.set_exception(PagedError(f"utility call failed in the core: {msg.error}"))
                 elif isinstance(msg, RequestFailed):
-                    front = self._by_child.get(msg.request_id)
-                    if front is not None:
+                    sample = self.output_processor.samples.get(msg.request_id)
+                    if sample is not None:
                         if msg.http_status:
                             err = RequestRejectedError(msg.message, msg.http_status)
                         else:
                             err = InvalidRequestError(msg.message) if msg.invalid else PagedError(msg.message)
-                        front.stream._put(err)
-                        self.abort(front.request_id)
+                        sample.request.stream.put(err)
+                        self.abort(sample.request.request_id)
                 elif isinstance(msg, CoreFailed):
                     which = f" (data-parallel rank {msg.dp_rank})" if self.num_cores > 1 else ""
                     self._on_core_death(f"the engine core{which} failed: {msg.message}")
         except asyncio.CancelledError:
             raise
         except (zmq.ZMQError, zmq.error.ContextTerminated) as e:
-            if not self.client._closed:
+            if not self.client.closed:
                 self._on_core_death(f"engine core connection lost: {e}")
         except Exception as e:  # a bug here must not leave requests hanging
             logger.exception("output handler failed")
             self._on_core_death(f"output handler failed: {type(e).__name__}: {e}")
 
     def _process_outputs(self, msg: Outputs) -> None:
+        """One core message: token timings for the observer, the router's bookkeeping, then the
+        output processor (which puts each request's output into its stream)."""
         observer = self.observer
         core_outputs = msg.outputs
         now = msg.timestamp
         num_tokens = 0
         router = self.router
+        samples = self.output_processor.samples
         for out in core_outputs:
             num_tokens += len(out.new_token_ids)
-            finished = out.finish_reason is not None
-            if finished and router is not None:
+            if out.finish_reason is not None and router is not None:
                 router.finish(out.request_id)
-            front = self._by_child.get(out.request_id)
-            if front is None:
+            sample = samples.get(out.request_id)
+            if sample is None:
                 continue  # aborted meanwhile
-            last = front.last_token_time.get(out.request_id)
+            last = sample.last_token_time
             if last is None:
                 if out.first_token_time is not None:
                     observer.time_to_first_token(max(out.first_token_time - out.arrival_time, 0.0))
             elif out.new_token_ids:
                 observer.inter_token_latency(max(now - last, 0.0) / len(out.new_token_ids))
-            front.last_token_time[out.request_id] = now
-            if finished:
-                front.live_child_ids.discard(out.request_id)
+            sample.last_token_time = now
         observer.generation_tokens(num_tokens)
-        outputs, stopped = self.output_processor.process(core_outputs)
-        if stopped:  # a stop string ended these children here: the core still runs them
-            for child_id in stopped:
-                front = self._by_child.get(child_id)
-                if front is not None:
-                    front.live_child_ids.discard(child_id)
-            self._send_aborts(stopped, "stop")
-        for output in outputs:
-            front = self.requests.get(output.request_id)
-            if front is None:
-                continue
-            self._observe_finished(front, output)
-            front.stream._put(output)
-            if output.finished:
-                if self.trace_recorder is not None:
-                    self.trace_recorder.finish(output)
-                self._forget(front)
+        result = self.output_processor.process(core_outputs)
+        if result.stopped:  # a stop string ended these children here: the core still runs them
+            self._send_aborts(result.stopped, "stop")
+        for sample in result.finished:
+            self._observe_finished(sample)
+        if self.trace_recorder is not None:
+            for state in result.done:
+                self.trace_recorder.finish(state.final_output())
 
-    def _observe_finished(self, front: FrontRequest, output: RequestOutput) -> None:
-        for c in output.outputs:
-            if c.finish_reason is None or c.index in front.counted_finished:
-                continue
-            front.counted_finished.add(c.index)
-            self.observer.request_finished(c.finish_reason)
-            m = c.metrics
-            if m is not None:
-                if m.e2e_latency is not None:
-                    self.observer.e2e_latency(max(m.e2e_latency, 0.0))
-                if m.queue_time is not None:
-                    self.observer.queue_time(max(m.queue_time, 0.0))
+    def _observe_finished(self, sample: SampleState) -> None:
+        self.observer.request_finished(sample.finish_reason)
+        m = sample.metrics()
+        if m is not None:
+            if m.e2e_latency is not None:
+                self.observer.e2e_latency(max(m.e2e_latency, 0.0))
+            if m.queue_time is not None:
+                self.observer.queue_time(max(m.queue_time, 0.0))
 
     def _on_core_death(self, message: str) -> None:
         if self._dead is not None:
@@ -432,9 +421,9 @@ class AsyncLLM:
             if self.num_cores > 1:
                 self.client.terminate()  # one dead core is a dead engine: stop the others' work now
         err = EngineDeadError(message)
-        for front in list(self.requests.values()):
-            front.stream._put(err)
-            self._forget(front)
+        for state in list(self.requests.values()):
+            state.stream.put(err)
+            self.output_processor.remove(state.request_id)
         if self.router is not None:
             self.router.reset()
         for fut in self._utility_futures.values():

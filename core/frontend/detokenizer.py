@@ -69,13 +69,24 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
 
         self._held = ""  # decoded text not emitted yet (it may start a stop string)
-        self.text = ""  # all text emitted so far
+        # All text emitted so far, as the pieces emitted (``text`` joins them when asked): a
+        # string grown at every step would be copied whole at every step.
+        self._pieces: list[str] = []
+        self._tail = ""  # the last (longest stop - 1) characters emitted: a stop string's left context
         self.stopped = False
         self.stop_reason: str | None = None
         self.finished = False  # finalize() was called
 
         self._stops = list(params.stop)
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far (joined now; the pieces become one, so asking again is cheap)."""
+        pieces = self._pieces
+        if len(pieces) > 1:
+            pieces[:] = ["".join(pieces)]
+        return pieces[0] if pieces else ""
 
     # ---------------------------------------------------------------- decode
 
@@ -151,7 +162,8 @@ class IncrementalDetokenizer:
             if len(self._held) >= ctx_len:
                 ctx = self._held[len(self._held) - ctx_len :]
             else:
-                ctx = self.text[max(0, len(self.text) - (ctx_len - len(self._held))) :] + self._held
+                tail = self._tail
+                ctx = tail[max(0, len(tail) - (ctx_len - len(self._held))) :] + self._held
             found = self._find_stop(ctx + delta, len(ctx))
             if found is not None:
                 start, stop = found  # in ctx + delta
@@ -171,7 +183,12 @@ class IncrementalDetokenizer:
         return self._emit(pending[: len(pending) - keep])
 
     def _emit(self, out: str) -> str:
-        self.text += out
+        if out:
+            self._pieces.append(out)
+            if self._max_stop_len > 1:  # keep what a later stop string may start in
+                keep = self._max_stop_len - 1
+                tail = self._tail + out
+                self._tail = tail[len(tail) - keep :] if len(tail) > keep else tail
         return out
 
     def _find_stop(self, text: str, new_from: int) -> tuple[int, str] | None:

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 from paged.core.config import EngineConfig, Flag, config_flags, load_config
 from paged.core.frontend.llm_engine import LLMEngine
 from paged.core.errors import ConfigError, EngineError, InvalidRequestError
-from paged.core.frontend.outputs import RequestOutput
+from paged.core.frontend.outputs import RequestOutput, RequestOutputKind
 from paged.core.frontend.tools import (calls_from_constrained, check_tools, model_type, tool_choice_mode,
                                        tool_constraint, tool_parser_for)
 from paged.core.sampling_params import SamplingParams
@@ -133,7 +133,8 @@ class LLM:
         try:
             for prompt, params, prio, (tenant, deadline_s) in zip(prompts, params_list, priorities, metadata):
                 ids.append(engine.add_request(None, prompt, params, priority=prio, add_special_tokens=add_special_tokens,
-                                              tenant=tenant, deadline_s=deadline_s))
+                                              tenant=tenant, deadline_s=deadline_s,
+                                              output_kind=RequestOutputKind.FINAL_ONLY))
         except Exception:
             engine.abort_request(ids)
             raise

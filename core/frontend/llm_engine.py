@@ -1,22 +1,22 @@
 """The in-process engine: add_request / step / abort_request.
 
-``LLMEngine`` = InputProcessor (tokenize, validate, fan out n > 1) + EngineCore (scheduler and
-model runner, token ids only) + OutputProcessor (detokenize, stop strings, gather samples). A
-request with ``n > 1`` runs as n child requests that share the prompt's KV blocks through the
-prefix cache (the first child's full prompt blocks are cached when allocated; its siblings,
-admitted in the same step, hit them).
+``LLMEngine`` = InputProcessor (tokenize, validate, fan out n > 1, build the core's
+``EngineCoreRequest``s) + EngineCore (scheduler and model runner, token ids only; it builds its
+``Request``s from those messages) + OutputProcessor (detokenize, stop strings, gather samples,
+hand out outputs as each request's ``RequestOutputKind`` asks). A request with ``n > 1`` runs as
+n child requests that share the prompt's KV blocks through the prefix cache (the first child's
+full prompt blocks are cached when allocated; its siblings, admitted in the same step, hit them).
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from paged.core.config import EngineConfig
 from paged.core.engine.engine_core import EngineCore
 from paged.core.errors import ConfigError, InvalidRequestError
-from paged.core.frontend.outputs import RequestOutput
+from paged.core.frontend.outputs import RequestOutput, RequestOutputKind
 from paged.core.frontend.processor import InputProcessor, OutputProcessor, structured_output_validator
 from paged.core.engine.request import RequestStatus
 from paged.core.sampling_params import SamplingParams
@@ -72,26 +72,29 @@ class LLMEngine:
         add_special_tokens: bool = True,
         tenant: str | None = None,
         deadline_s: float | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> str:
         """Validate and queue a request; raises InvalidRequestError, or RequestRejectedError when
         the policy's admission control turns it away (nothing is queued then). ``tenant``: who
-        sent it (fairness policies); ``deadline_s``: seconds after arrival by which it should finish."""
+        sent it (fairness policies); ``deadline_s``: seconds after arrival by which it should finish.
+        ``output_kind``: what ``step`` returns for it (``RequestOutputKind``; ``run_until_finished``
+        needs CUMULATIVE or FINAL_ONLY, whose last output is the whole one)."""
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self.output_processor.parents:
+        if request_id in self.output_processor.requests:
             raise InvalidRequestError(f"request_id: {request_id!r} is already in use")
-        parent, requests = self.input_processor.process(
+        state, requests = self.input_processor.process(
             request_id, prompt, params or SamplingParams(), priority, arrival_time, cache_salt, add_special_tokens,
-            tenant=tenant, deadline_s=deadline_s,
+            tenant=tenant, deadline_s=deadline_s, output_kind=output_kind,
         )
         added = []
         try:
-            for request in requests:
+            for request in requests:  # the core builds its Request from each message
                 self.core.add_request(request)
                 added.append(request.request_id)
         except Exception:
             self.core.abort_requests(added)
             raise
-        self.output_processor.add(parent)
+        self.output_processor.add(state)
         return request_id
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
@@ -109,12 +112,13 @@ class LLMEngine:
         return len(self.output_processor) > 0
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; return an output for every request that produced something."""
-        core_outputs = self.core.step()
-        outputs, stopped = self.output_processor.process(core_outputs)
-        if stopped:
-            self.core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        return outputs
+        """Run one step; return the outputs it produced, as each request's output kind says
+        (CUMULATIVE, DELTA: one per request that changed; FINAL_ONLY: one per request that
+        finished)."""
+        result = self.output_processor.process(self.core.step())
+        if result.stopped:
+            self.core.abort_requests(result.stopped, RequestStatus.FINISHED_STOPPED)
+        return result.outputs
 
     def run_until_finished(
         self, request_ids: Sequence[str], on_finished: Callable[[RequestOutput], None] | None = None

@@ -1,9 +1,32 @@
-"""What the engine hands back for each request."""
+"""What the engine hands back for each request, and how often (``RequestOutputKind``)."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
+
+
+class RequestOutputKind(enum.Enum):
+    """What a request's consumer is handed, chosen when the request is added (as vLLM's
+    ``RequestOutputKind``). ``new_text`` / ``new_token_ids`` are always what was added since the
+    previous output handed to this consumer.
+
+    CUMULATIVE: an output at every step with the whole output so far. ``token_ids`` and
+        ``logprobs`` are the request's own growing lists, shared rather than copied: an output
+        kept while the request runs sees the later tokens too (copy them to keep a snapshot).
+        ``text`` is the text so far (a new string each step: the one thing rebuilt).
+    DELTA: an output at every step in which a sample changed, holding only those samples and
+        only what changed: ``text``, ``token_ids`` and ``logprobs`` are the increments (equal to
+        ``new_text`` / ``new_token_ids``); concatenated, they are the final output. A sample's
+        finish reason comes once, with its last increment.
+    FINAL_ONLY: one output, once every sample has finished, with the whole text, token ids
+        and logprobs.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass

@@ -1,5 +1,7 @@
-"""Front-end processing around an engine core: requests in (tokenize, validate, fan out n > 1),
-outputs out (detokenize incrementally, stop strings, gather the n samples of a request).
+"""Front-end processing around an engine core: requests in (tokenize, validate, fan out n > 1,
+build the core's ``EngineCoreRequest`` messages), outputs out (append each core output to its
+request's state, detokenize incrementally, stop strings, hand out what each request's output
+kind asks for: see ``paged.core.frontend.request_state``).
 
 Used by the in-process ``LLMEngine`` and by the serving front-end alike.
 """
@@ -8,44 +10,19 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
-from paged.core.frontend.detokenizer import IncrementalDetokenizer
-from paged.core.engine.engine_core import ModelInfo
 from paged.core.constraint_check import ConstraintValidator
-from paged.core.engine.outputs import EngineCoreOutput
-from paged.core.errors import InvalidRequestError
-from paged.core.frontend.tools import render_tool_messages
-from paged.core.frontend.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from paged.core.engine.request import Request
-from paged.core.sampling_params import SamplingParams
-from paged.core.structured_output import StructuredOutputParams
+from paged.core.engine.engine_core import ModelInfo
+from paged.core.engine.outputs import EngineCoreOutput, EngineCoreRequest
 from paged.core.engine.scheduler import check_request_fits
-
-
-@dataclass
-class _Child:
-    request_id: str
-    detokenizer: IncrementalDetokenizer
-    output: CompletionOutput
-    stop_token_ids: list[int]
-
-
-@dataclass
-class ParentRequest:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    children: list[_Child] = field(default_factory=list)
-
-    @property
-    def finished(self) -> bool:
-        return all(c.output.finished for c in self.children)
-
-    @property
-    def child_ids(self) -> list[str]:
-        return [c.request_id for c in self.children]
+from paged.core.errors import InvalidRequestError
+from paged.core.frontend.detokenizer import IncrementalDetokenizer
+from paged.core.frontend.outputs import RequestOutput, RequestOutputKind
+from paged.core.frontend.request_state import RequestState, SampleState
+from paged.core.frontend.tools import render_tool_messages
+from paged.core.sampling_params import SamplingParams
 
 
 def structured_output_validator(config, registry=None) -> ConstraintValidator:
@@ -107,9 +84,11 @@ class InputProcessor:
         prompt_token_ids: list[int] | None = None,
         tenant: str | None = None,
         deadline_s: float | None = None,
-    ) -> tuple[ParentRequest, list[Request]]:
-        """Validate and build the core requests (n of them); raises InvalidRequestError.
-        ``prompt_token_ids``: a text prompt's tokens when the caller has them already."""
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+    ) -> tuple[RequestState, list[EngineCoreRequest]]:
+        """Validate the request and build its state and its core requests (n of them, sharing
+        one prompt token list, sent as they are); raises InvalidRequestError. ``prompt_token_ids``:
+        a text prompt's tokens when the caller has them already."""
         if isinstance(prompt, str):
             text = prompt
             token_ids = prompt_token_ids
@@ -117,7 +96,7 @@ class InputProcessor:
                 token_ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
         else:
             text = None
-            token_ids = [int(t) for t in prompt]
+            token_ids = [int(t) for t in prompt]  # the one copy: the caller's sequence may be anything
             bad = [t for t in token_ids if not 0 <= t < self.info.vocab_size]
             if bad:
                 raise InvalidRequestError(
@@ -137,7 +116,7 @@ class InputProcessor:
         deadline = None if deadline_s is None else arrival_time + float(deadline_s)
         eos = self.info.eos_token_ids[0] if self.info.eos_token_ids else None
         extra_stop = [] if params.ignore_eos else [t for t in self.info.eos_token_ids[1:] if t not in params.stop_token_ids]
-        parent = ParentRequest(request_id, text, token_ids)
+        state = RequestState(request_id, text, token_ids, output_kind)
         requests = []
         for index in range(params.n):
             child_params = params
@@ -145,119 +124,90 @@ class InputProcessor:
                 seed = None if params.seed is None else params.seed + index
                 child_params = params.copy(n=1, seed=seed, stop_token_ids=params.stop_token_ids + extra_stop)
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
-            requests.append(
-                Request(child_id, token_ids, child_params, arrival_time=arrival_time, priority=priority,
-                        cache_salt=cache_salt, eos_token_id=eos, max_tokens=max_tokens, tenant=tenant,
-                        deadline=deadline)
-            )
-            parent.children.append(
-                _Child(
-                    child_id,
-                    IncrementalDetokenizer(self.tokenizer, token_ids, child_params),
-                    CompletionOutput(index, logprobs=[] if params.logprobs is not None else None),
-                    child_params.stop_token_ids,
-                )
-            )
-        return parent, requests
+            requests.append(EngineCoreRequest(child_id, token_ids, child_params, arrival_time, priority, cache_salt,
+                                              eos, max_tokens, tenant, deadline))
+            state.add_sample(child_id, IncrementalDetokenizer(self.tokenizer, token_ids, child_params),
+                             child_params.stop_token_ids, params.logprobs is not None)
+        return state, requests
+
+
+@dataclass
+class ProcessedOutputs:
+    """What one batch of core outputs did (``OutputProcessor.process``)."""
+
+    outputs: list[RequestOutput]  # to hand out: those of the requests that have no stream
+    stopped: list[str]  # samples a stop string ended: the core still runs them; abort them there as finished
+    finished: list[SampleState]  # samples that finished (stopped ones included)
+    done: list[RequestState]  # requests whose every sample finished: their last output is out; forgotten
 
 
 class OutputProcessor:
-    """Turns core outputs into RequestOutputs. ``process`` also returns the child ids that a
-    stop string ended: the caller aborts them in the core (as finished, not as errors)."""
+    """The front-end's per-request states, by request id (``requests``) and by core request id
+    (``samples``). ``process`` appends each core output to its sample once and hands out what
+    each request's output kind asks for: to the request's ``stream`` if it has one, else in the
+    result. A request is forgotten when its last output is out or when it is removed."""
 
     def __init__(self) -> None:
-        self.parents: dict[str, ParentRequest] = {}
-        self._child: dict[str, tuple[ParentRequest, _Child]] = {}
+        self.requests: dict[str, RequestState] = {}
+        self.samples: dict[str, SampleState] = {}
 
-    def add(self, parent: ParentRequest) -> None:
-        self.parents[parent.request_id] = parent
-        for child in parent.children:
-            self._child[child.request_id] = (parent, child)
+    def add(self, state: RequestState) -> None:
+        self.requests[state.request_id] = state
+        for sample in state.samples:
+            self.samples[sample.request_id] = sample
 
     def remove(self, request_id: str) -> list[str]:
-        """Forget a request; returns its child ids (to abort in the core)."""
-        parent = self.parents.pop(request_id, None)
-        if parent is None:
+        """Forget a request; returns its samples still live in the core (for the caller to abort)."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
             return []
-        for child_id in parent.child_ids:
-            self._child.pop(child_id, None)
-        return parent.child_ids
+        live = []
+        for sample in state.samples:
+            self.samples.pop(sample.request_id, None)
+            if sample.live:
+                sample.live = False
+                live.append(sample.request_id)
+        return live
 
     def __len__(self) -> int:
-        return len(self.parents)
+        return len(self.requests)
 
-    def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        touched: dict[str, ParentRequest] = {}
+    @property
+    def num_live_samples(self) -> int:
+        return sum(sample.live for sample in self.samples.values())
+
+    def process(self, core_outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        samples = self.samples
+        touched: list[RequestState] = []
         stopped: list[str] = []
+        finished: list[SampleState] = []
         for core_out in core_outputs:
-            entry = self._child.get(core_out.request_id)
-            if entry is None:
-                continue  # aborted meanwhile
-            parent, child = entry
-            out = child.output
-            if out.finished:
+            sample = samples.get(core_out.request_id)
+            if sample is None or sample.finish_reason is not None:
+                continue  # aborted meanwhile, or already ended by a stop string
+            if sample.append(core_out):
+                stopped.append(sample.request_id)
+            state = sample.request
+            if sample.finish_reason is not None:
+                finished.append(sample)
+                state.num_unfinished -= 1
+            if not state.changed:
+                state.changed = True
+                touched.append(state)
+        result = ProcessedOutputs([], stopped, finished, [])
+        for state in touched:
+            state.changed = False
+            output = state.output()
+            if state.num_unfinished == 0:
+                self.remove(state.request_id)
+                result.done.append(state)
+            if output is None:
                 continue
-            out.token_ids.extend(core_out.new_token_ids)
-            out.new_token_ids.extend(core_out.new_token_ids)
-            if out.logprobs is not None:
-                out.logprobs.extend(core_out.logprobs)
-            delta = child.detokenizer.update(core_out.new_token_ids)
-            if child.detokenizer.stopped:
-                if core_out.finish_reason is None:
-                    stopped.append(core_out.request_id)
-                out.finish_reason = "stop"
-                out.stop_reason = child.detokenizer.stop_reason
-            elif core_out.finish_reason is not None:
-                delta += child.detokenizer.finalize()
-                out.finish_reason = core_out.finish_reason
-                out.stop_reason = core_out.stop_token_id if core_out.stop_token_id in child.stop_token_ids else None
-                if core_out.finish_reason == "rejected":  # turned away by the policy: why, for the client
-                    out.stop_reason = core_out.reject_reason
-                elif core_out.finish_reason == "error":  # a plugin failed on it: who, and how
-                    out.stop_reason = core_out.error
-            out.text += delta
-            out.new_text += delta
-            out.metrics = RequestMetrics(
-                arrival_time=core_out.arrival_time,
-                first_scheduled_time=core_out.first_scheduled_time,
-                first_token_time=core_out.first_token_time,
-                finished_time=core_out.finished_time if out.finish_reason else None,
-                num_cached_tokens=core_out.num_cached_tokens,
-                num_preemptions=core_out.num_preemptions,
-            )
-            if out.finish_reason and out.metrics.finished_time is None:
-                out.metrics.finished_time = time.monotonic()
-            touched[parent.request_id] = parent
-        outputs = []
-        for parent in touched.values():
-            outputs.append(_snapshot(parent))
-            if parent.finished:
-                self.remove(parent.request_id)
-        return outputs, stopped
-
-
-def _snapshot(parent: ParentRequest) -> RequestOutput:
-    completions = []
-    for child in parent.children:
-        out = child.output
-        completions.append(
-            CompletionOutput(
-                index=out.index,
-                text=out.text,
-                token_ids=list(out.token_ids),
-                finish_reason=out.finish_reason,
-                stop_reason=out.stop_reason,
-                logprobs=list(out.logprobs) if out.logprobs is not None else None,
-                new_text=out.new_text,
-                new_token_ids=out.new_token_ids,
-                metrics=out.metrics,
-            )
-        )
-        out.new_text, out.new_token_ids = "", []
-    return RequestOutput(
-        parent.request_id, parent.prompt, parent.prompt_token_ids, completions,
-        finished=parent.finished, metrics=completions[0].metrics,
-    )
+            if state.stream is not None:
+                state.stream.put(output)
+            else:
+                result.outputs.append(output)
+        return result
 
 
 MAX_TENANT_LEN = 256

@@ -153,6 +153,11 @@ class EngineCoreClient:
     def alive(self) -> bool:
         return not self._closed and all(proc.poll() is None for proc in self.procs)
 
+    @property
+    def closed(self) -> bool:
+        """``close``/``aclose`` was called (a socket error after that is expected)."""
+        return self._closed
+
     async def send(self, msg, core: int = 0) -> None:
         """Send to the core of rank ``core``."""
         if not self.alive:

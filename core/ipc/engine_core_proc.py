@@ -58,7 +58,6 @@ from paged.core.ipc.messages import (
     UtilityResult,
     make_encoder,
     request_decoder,
-    request_from_wire,
 )
 
 logger = logging.getLogger("paged")
@@ -130,7 +129,7 @@ class EngineCoreProc:
         core = self.core
         if isinstance(msg, AddRequest):
             try:
-                core.add_request(request_from_wire(msg))
+                core.add_request(msg)  # the core builds its Request from the decoded message
                 self.num_requests_added += 1
             except RequestRejectedError as e:
                 self.out_q.put(RequestFailed(msg.request_id, str(e), invalid=False, http_status=e.http_status))

@@ -2,7 +2,8 @@
 nothing is ever pickled). The protocol, the sockets and the process lifecycle are described in
 ``paged.core.ipc.engine_core_proc``.
 
-Front-end -> core (``CoreRequest``, a tagged union): ``AddRequest``, ``AbortRequests``,
+Front-end -> core (``CoreRequest``, a tagged union): ``AddRequest`` (the engine's own
+``EngineCoreRequest``, built by the front-end's InputProcessor and sent as is), ``AbortRequests``,
 ``UtilityCall`` (``stats``, ``reset_prefix_cache``, ``ping``).
 Core -> front-end (``CoreMessage``): ``Ready`` (once, over the DEALER, after the model and the KV
 cache are up), ``Outputs`` (one per engine step that produced something; the engine's own
@@ -17,10 +18,8 @@ from typing import Any, Union
 import msgspec
 
 from paged.core.engine.engine_core import ModelInfo
-from paged.core.engine.outputs import EngineCoreOutput
-from paged.core.engine.request import Request
+from paged.core.engine.outputs import EngineCoreOutput, EngineCoreRequest
 from paged.core.errors import EngineError
-from paged.core.sampling_params import SamplingParams
 
 
 class EngineDeadError(EngineError):
@@ -28,17 +27,8 @@ class EngineDeadError(EngineError):
 
 
 # --- messages ------------------------------------------------------------------------------------
-class AddRequest(msgspec.Struct, tag="add", array_like=True):
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    arrival_time: float
-    priority: int = 0
-    cache_salt: str | None = None
-    eos_token_id: int | None = None
-    max_tokens: int = 16
-    tenant: str | None = None
-    deadline: float | None = None  # absolute, time.monotonic() (the same clock in every process)
+# The "add" message is the engine's own EngineCoreRequest, sent as the front-end built it.
+AddRequest = EngineCoreRequest
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -85,22 +75,6 @@ class CoreFailed(msgspec.Struct, tag="dead", array_like=True):
 
 
 CoreMessage = Union[Ready, Outputs, UtilityResult, RequestFailed, CoreFailed]
-
-def request_to_wire(request) -> AddRequest:
-    """A ``paged.core.engine.request.Request`` (as the InputProcessor builds it) as an AddRequest."""
-    return AddRequest(
-        request.request_id, list(request.prompt_token_ids), request.sampling_params, request.arrival_time,
-        request.priority, request.cache_salt, request.eos_token_id, request.max_tokens, request.tenant,
-        request.deadline,
-    )
-
-
-def request_from_wire(msg: AddRequest):
-    return Request(
-        msg.request_id, msg.prompt_token_ids, msg.sampling_params, arrival_time=msg.arrival_time,
-        priority=msg.priority, cache_salt=msg.cache_salt, eos_token_id=msg.eos_token_id, max_tokens=msg.max_tokens,
-        tenant=msg.tenant, deadline=msg.deadline,
-    )
 
 
 def _enc_hook(obj: Any) -> Any:

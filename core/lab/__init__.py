@@ -11,7 +11,11 @@
 - ``metrics``: TTFT / TPOT / e2e, throughput, SLO attainment and goodput, per priority class and
   per tenant, Jain's fairness index; the table.
 - ``report``: timeline and TTFT-CDF pictures, the HTML page.
-- ``cli``: ``paged lab gen | replay | calibrate | validate | policies``.
+- ``checks``: warnings on how far a cost model can be trusted (poor fit, settings outside it).
+- ``workloads``: named seeded workloads that show what each research policy is for.
+
+Its command line, ``paged lab gen | replay | calibrate | validate | policies``, is
+paged.core.cli.lab.
 """
 
 from paged.core.lab.cost import BatchShape, CostModel, fit_cost_model

@@ -11,6 +11,7 @@ from paged.core.errors import ConfigError, PagedError
 from paged.core.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from paged.core.engine.request import Request
 from paged.core.engine.scheduler import Scheduler
+from paged.core.frontend.outputs import RequestOutputKind
 from paged.core.lab.cost import CostModel
 from paged.core.lab.records import LabRequest
 from paged.core.sampling_params import SamplingParams
@@ -132,7 +133,7 @@ class EngineExecutor:
         self.engine.add_request(request.id, request.prompt_token_ids, request.sampling_params(),
                                 priority=request.priority, arrival_time=request.arrival,
                                 cache_salt=request.cache_salt, tenant=request.tenant,
-                                deadline_s=request.deadline_s)
+                                deadline_s=request.deadline_s, output_kind=RequestOutputKind.FINAL_ONLY)
         return self.scheduler.requests[request.id]
 
     def busy(self) -> bool:

@@ -200,9 +200,9 @@ class PolicyRun:
 
     def build(self, registry=None):
         """(spec, validated options, policy instance), through the plugin registry."""
-        from paged.core.config import _validate_options
+        from paged.core.config import validate_options
         from paged.core.registry import get_registry
 
         spec = (registry or get_registry()).policy(self.name)
-        options = _validate_options(spec, self.options, f"policy {self.label!r} options")
+        options = validate_options(spec, self.options, f"policy {self.label!r} options")
         return spec, options, spec.factory(options)

@@ -292,7 +292,8 @@ class GeneratorSpec:
             bad("priority_weights", f"must be {self.priority_classes} shares >= 0, not all 0")
 
 
-def _lognormal_int(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
+def lognormal_int(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
+    """A log-normal draw around ``median`` (``sigma`` 0: the median), rounded, within [lo, hi]."""
     value = rng.lognormvariate(math.log(median), sigma) if sigma > 0 else median
     return max(lo, min(hi, int(round(value))))
 
@@ -312,8 +313,8 @@ def generate_trace(spec: GeneratorSpec) -> Trace:
                 t += rng.gammavariate(spec.burstiness, 1.0 / (spec.rate * spec.burstiness))
             else:
                 t += 1.0 / spec.rate
-        prompt_len = _lognormal_int(rng, spec.prompt_len_median, spec.prompt_len_sigma, spec.prompt_len_min, spec.prompt_len_max)
-        output_len = _lognormal_int(rng, spec.output_len_median, spec.output_len_sigma, spec.output_len_min, spec.output_len_max)
+        prompt_len = lognormal_int(rng, spec.prompt_len_median, spec.prompt_len_sigma, spec.prompt_len_min, spec.prompt_len_max)
+        output_len = lognormal_int(rng, spec.output_len_median, spec.output_len_sigma, spec.output_len_min, spec.output_len_max)
         prefix = None
         if spec.shared_prefix_frac and rng.random() < spec.shared_prefix_frac:
             prefix = {"id": rng.randrange(spec.num_prefixes), "len": spec.prefix_len}

@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 from dataclasses import asdict, dataclass
 
-from paged.core.lab.trace import Trace, TraceError, TraceRequest, _lognormal_int
+from paged.core.lab.trace import Trace, TraceError, TraceRequest, lognormal_int
 
 WORKLOADS = ("multi-tenant", "shared-prefix", "heavy-tail", "deadline")
 
@@ -73,8 +73,8 @@ def _multi_tenant(spec: WorkloadSpec, rng: random.Random) -> list[TraceRequest]:
     out = []
     for t in _arrivals(rng, spec.num_requests, spec.rate):
         tenant = rng.choices(range(spec.tenants), weights)[0]
-        out.append(TraceRequest(arrival_s=t, tenant=f"t{tenant}", prompt_len=_lognormal_int(rng, 128, 0.6, 8, 1024),
-                                max_tokens=_lognormal_int(rng, 64, 0.6, 4, 256)))
+        out.append(TraceRequest(arrival_s=t, tenant=f"t{tenant}", prompt_len=lognormal_int(rng, 128, 0.6, 8, 1024),
+                                max_tokens=lognormal_int(rng, 64, 0.6, 4, 256)))
     return out
 
 
@@ -82,9 +82,9 @@ def _shared_prefix(spec: WorkloadSpec, rng: random.Random) -> list[TraceRequest]
     out = []
     for t in _arrivals(rng, spec.num_requests, spec.rate):
         prefix = {"id": rng.randrange(spec.num_prefixes), "len": spec.prefix_len}
-        own = _lognormal_int(rng, 32, 0.5, 4, 256)
+        own = lognormal_int(rng, 32, 0.5, 4, 256)
         out.append(TraceRequest(arrival_s=t, prompt_len=spec.prefix_len + own, prefix=prefix,
-                                max_tokens=_lognormal_int(rng, 32, 0.5, 4, 128)))
+                                max_tokens=lognormal_int(rng, 32, 0.5, 4, 128)))
     return out
 
 
@@ -92,9 +92,9 @@ def _heavy_tail(spec: WorkloadSpec, rng: random.Random) -> list[TraceRequest]:
     out = []
     for t in _arrivals(rng, spec.num_requests, spec.rate):
         if rng.random() < 0.1:  # the tail: long prompts, long outputs
-            prompt, output = _lognormal_int(rng, 1024, 0.5, 256, 4096), _lognormal_int(rng, 512, 0.5, 128, 1024)
+            prompt, output = lognormal_int(rng, 1024, 0.5, 256, 4096), lognormal_int(rng, 512, 0.5, 128, 1024)
         else:
-            prompt, output = _lognormal_int(rng, 64, 0.6, 4, 512), _lognormal_int(rng, 24, 0.6, 2, 128)
+            prompt, output = lognormal_int(rng, 64, 0.6, 4, 512), lognormal_int(rng, 24, 0.6, 2, 128)
         out.append(TraceRequest(arrival_s=t, prompt_len=prompt, max_tokens=output))
     return out
 
@@ -103,11 +103,11 @@ def _deadline(spec: WorkloadSpec, rng: random.Random) -> list[TraceRequest]:
     out = []
     for t in _arrivals(rng, spec.num_requests, spec.rate):
         if rng.random() < 0.6:  # interactive: short, tight deadline
-            prompt, output = _lognormal_int(rng, 96, 0.5, 8, 512), _lognormal_int(rng, 24, 0.5, 4, 96)
+            prompt, output = lognormal_int(rng, 96, 0.5, 8, 512), lognormal_int(rng, 24, 0.5, 4, 96)
             deadline = round(rng.uniform(1.0, 3.0), 3)
             priority = 0
         else:  # batch: longer, loose deadline
-            prompt, output = _lognormal_int(rng, 256, 0.5, 32, 1024), _lognormal_int(rng, 128, 0.5, 16, 512)
+            prompt, output = lognormal_int(rng, 256, 0.5, 32, 1024), lognormal_int(rng, 128, 0.5, 16, 512)
             deadline = round(rng.uniform(10.0, 30.0), 3)
             priority = 1
         out.append(TraceRequest(arrival_s=t, prompt_len=prompt, max_tokens=output, deadline_s=deadline,

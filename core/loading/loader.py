@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from paged.core.errors import ConfigError, ModelLoadError
+from paged.core.loading.startup_times import phase
 
 logger = logging.getLogger("paged")
 
@@ -68,9 +69,13 @@ def load_hf_config(model_dir: str | Path) -> Any:
 
     A ``model_type`` transformers does not know (a plugin's own architecture) still loads: the
     JSON becomes a plain ``PretrainedConfig`` whose attributes are its keys."""
+    with phase("hf config"):
+        return _load_hf_config(Path(model_dir))
+
+
+def _load_hf_config(model_dir: Path) -> Any:
     from transformers import AutoConfig, PretrainedConfig
 
-    model_dir = Path(model_dir)
     try:
         return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     except Exception as e:  # unknown model_type, malformed json, ...
@@ -105,6 +110,11 @@ def model_architecture(hf_config: Any) -> str:
 
 def load_tokenizer(model_dir: str | Path, revision: str | None = None) -> Any:
     """``AutoTokenizer`` from a local directory, or a hub id's snapshot (through the hub cache)."""
+    with phase("tokenizer"):
+        return _load_tokenizer(model_dir, revision)
+
+
+def _load_tokenizer(model_dir: str | Path, revision: str | None) -> Any:
     from transformers import AutoTokenizer
 
     from paged.core.loading import hub
@@ -208,9 +218,10 @@ def build_model(
 ) -> Any:
     """Construct the model directly on ``dtype``/``device``, load its weights, eval mode."""
     start = time.perf_counter()
-    model = model_spec_factory(hf_config, backend, dtype, torch.device(device))
-    model.load_weights(iter_safetensors(model_dir))
-    model.eval()
+    with phase("load"):
+        model = model_spec_factory(hf_config, backend, dtype, torch.device(device))
+        model.load_weights(iter_safetensors(model_dir))
+        model.eval()
     logger.info(
         "loaded %s from %s (%s, %s) in %.2f s",
         type(model).__name__, model_dir, str(dtype).replace("torch.", ""), device, time.perf_counter() - start,

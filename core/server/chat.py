@@ -14,8 +14,8 @@ from paged.core.server.generation import ChoiceFormat, accept, respond
 from paged.core.server.protocol import ChatCompletionRequest, ChatMessage, check_limits, sampling_params
 from paged.core.server.state import ServerState
 from paged.core.server.structured import check_compiles, constraint_field, structured_output_of
-from paged.core.server.tool_calls import ToolCallShaper, model_type
-from paged.core.frontend.tools import check_tools, tool_choice_mode, tool_constraint, tool_parser_for
+from paged.core.server.tool_calls import ToolCallShaper
+from paged.core.frontend.tools import check_tools, tool_choice_mode, tool_constraint
 from paged.core.server.streaming import chat_logprobs
 
 
@@ -82,8 +82,7 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 async def chat(state: ServerState, body: Any, tenant: str | None = None) -> Response:
     try:
-        req: ChatCompletionRequest = accept(state, ChatCompletionRequest, body)
-        llm = state.require_llm()
+        req, llm = accept(state, ChatCompletionRequest, body)
         tools = check_tools(req.tools) if req.tools is not None else None
         tool_mode, tool_name = tool_choice_mode(req.tool_choice, tools)
         validate = llm.input_processor.validate_structured_output
@@ -124,10 +123,11 @@ async def chat(state: ServerState, body: Any, tenant: str | None = None) -> Resp
         elif constraint is not None:
             await check_compiles(llm, constraint, constraint_field(req, req.response_format))
         prompt = await state.inputs.render_chat(chat_messages(req.messages), tools if tool_mode != "none" else None)
-        shaper = ToolCallShaper(tool_mode, tool_name, tool_parser_for(model_type(llm.model_info.model_dir)))
+        # the model family's parser, found at start-up (only a request with tools needs it)
+        shaper = ToolCallShaper(tool_mode, tool_name, state.tool_parser if tool_mode != "none" else None)
     except Exception as e:
         return from_exception(e).response()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await respond(state, ChatFormat(state.tokens, shaper), f"chatcmpl-{uuid.uuid4().hex}", [prompt], params,
                          req.priority, False, req.stream, include_usage, state.config.server.chat_default_max_tokens,
-                         tenant=req.user or tenant, deadline_s=req.deadline_s)
+                         tenant=req.user or tenant, deadline_s=req.deadline_s, llm=llm)

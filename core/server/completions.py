@@ -32,7 +32,7 @@ class CompletionFormat(ChoiceFormat):
         logprobs = None
         if new_logprobs is not None:
             logprobs = completion_logprobs(self.tok, new_logprobs, self.text_offsets.get(index, 0))
-        self.text_offsets[index] = len(c.text)
+        self.text_offsets[index] = self.text_offsets.get(index, 0) + len(c.new_text)
         return {"index": index, "text": c.new_text, "logprobs": logprobs, "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason if c.finished else None}
 
@@ -51,8 +51,7 @@ def prompt_list(prompt: Any) -> list[str | list[int]]:
 
 async def completions(state: ServerState, body: Any, tenant: str | None = None) -> Response:
     try:
-        req: CompletionRequest = accept(state, CompletionRequest, body)
-        llm = state.require_llm()
+        req, llm = accept(state, CompletionRequest, body)
         defaults = llm.default_sampling  # the model's generation_config.json
         if req.echo:
             raise invalid("echo: not supported", "echo")
@@ -73,4 +72,4 @@ async def completions(state: ServerState, body: Any, tenant: str | None = None) 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await respond(state, CompletionFormat(state.tokens), f"cmpl-{uuid.uuid4().hex}", prompts, params,
                          req.priority, True, req.stream, include_usage, tenant=req.user or tenant,
-                         deadline_s=req.deadline_s)
+                         deadline_s=req.deadline_s, llm=llm)

@@ -11,9 +11,10 @@ from typing import Any, AsyncIterator
 
 from fastapi.responses import JSONResponse, Response
 
-from paged.core.frontend.outputs import CompletionOutput, RequestOutput
+from paged.core.frontend.async_llm import AsyncLLM
+from paged.core.frontend.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from paged.core.sampling_params import SamplingParams
-from paged.core.server.errors import from_exception, rejection
+from paged.core.server.errors import from_exception, rejection, shutting_down
 from paged.core.server.protocol import parse
 from paged.core.server.state import ServerState
 from paged.core.server.streaming import DONE, EventStream, Tokens, first_or_error, merged, sse, usage
@@ -36,26 +37,31 @@ class ChoiceFormat:
         raise NotImplementedError
 
     def delta_choice(self, index: int, c: CompletionOutput, new_logprobs: list | None) -> dict[str, Any]:
+        """A streamed chunk's choice: ``c`` holds this step's increments (``new_text``,
+        ``new_token_ids``, their ``new_logprobs``)."""
         raise NotImplementedError
 
 
-def accept(state: ServerState, request_type: type, body: Any) -> Any:
-    """The parsed request, if the engine runs and the request names the served model."""
+def accept(state: ServerState, request_type: type, body: Any) -> tuple[Any, AsyncLLM]:
+    """The parsed request and the engine that serves it, if the engine runs and the request
+    names the served model (the request's one look at ``require_llm``)."""
     req = parse(request_type, body)
-    state.require_llm()
+    llm = state.require_llm()
     state.check_model(req.model)
-    return req
+    return req, llm
 
 
-async def start(state: ServerState, request_id: str, prompts: list, params: SamplingParams, priority: int,
-                add_special_tokens: bool, default_max_tokens: int | None = None, tenant: str | None = None,
+async def start(state: ServerState, llm: AsyncLLM, request_id: str, prompts: list, params: SamplingParams,
+                priority: int, add_special_tokens: bool, output_kind: RequestOutputKind,
+                default_max_tokens: int | None = None, tenant: str | None = None,
                 deadline_s: float | None = None) -> list:
     """One engine request per prompt (each with ``params.n`` samples); all closed if one fails.
     Text prompts are tokenized off the event loop first. ``default_max_tokens`` caps a request
     that sets no max_tokens (at what still fits in max_model_len after the prompt); ``tenant``
     and ``deadline_s`` are for the scheduling policy."""
     token_ids = await state.inputs.tokenize(prompts, add_special_tokens)
-    llm = state.require_llm()
+    if state.draining:  # the tokenizer's thread may have taken a while: no new request now
+        raise shutting_down()
     streams = []
     try:
         for i, prompt in enumerate(prompts):
@@ -66,7 +72,7 @@ async def start(state: ServerState, request_id: str, prompts: list, params: Samp
                 prompt_params = params.copy(max_tokens=max(1, min(default_max_tokens, room)))
             streams.append(await llm.add_request(rid, prompt, prompt_params, priority,
                                                  add_special_tokens=add_special_tokens, prompt_token_ids=token_ids[i],
-                                                 tenant=tenant, deadline_s=deadline_s))
+                                                 tenant=tenant, deadline_s=deadline_s, output_kind=output_kind))
     except BaseException:
         for s in streams:
             s.close()
@@ -77,10 +83,13 @@ async def start(state: ServerState, request_id: str, prompts: list, params: Samp
 async def respond(state: ServerState, fmt: ChoiceFormat, request_id: str, prompts: list, params: SamplingParams,
                   priority: int, add_special_tokens: bool, stream: bool, include_usage: bool,
                   default_max_tokens: int | None = None, tenant: str | None = None,
-                  deadline_s: float | None = None) -> Response:
+                  deadline_s: float | None = None, *, llm: AsyncLLM) -> Response:
+    """Streamed, each request's increments (DELTA) become chunks as they come; otherwise each
+    request's one final output (FINAL_ONLY) becomes its choices."""
+    kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     try:
-        streams = await start(state, request_id, prompts, params, priority, add_special_tokens, default_max_tokens,
-                              tenant, deadline_s)
+        streams = await start(state, llm, request_id, prompts, params, priority, add_special_tokens, kind,
+                              default_max_tokens, tenant, deadline_s)
     except Exception as e:
         return from_exception(e).response()
     head = {"id": request_id, "object": fmt.object_name, "created": int(time.time()),
@@ -122,40 +131,30 @@ async def respond(state: ServerState, fmt: ChoiceFormat, request_id: str, prompt
         return sse(data)
 
     async def events() -> AsyncIterator[bytes]:
-        sent_finish: set[int] = set()
         prompt_tokens: dict[int, int] = {}
-        completion_tokens: dict[int, int] = {}
+        completion_tokens = 0
         try:
             preamble = fmt.preamble(n)
             if preamble:
                 yield chunk(preamble)
             item = first
             while item is not None:
-                i, out = item
+                i, out = item  # DELTA: only the samples that changed, each with its increments
                 if any(c.finish_reason == "error" for c in out.outputs):  # a plugin failed on it: say so, end
                     yield sse(rejection([out]).body())
                     break
                 prompt_tokens[i] = len(out.prompt_token_ids)
                 choices = []
                 for c in out.outputs:
-                    index = i * n + c.index
-                    if index in sent_finish:
-                        continue
-                    completion_tokens[index] = len(c.token_ids)
+                    completion_tokens += len(c.new_token_ids)
                     if not c.new_text and not c.new_token_ids and not c.finished:
                         continue
-                    new_logprobs = None
-                    if c.logprobs is not None:
-                        k = len(c.new_token_ids)
-                        new_logprobs = c.logprobs[len(c.logprobs) - k:] if k else []
-                    if c.finished:
-                        sent_finish.add(index)
-                    choices.append(fmt.delta_choice(index, c, new_logprobs))
+                    choices.append(fmt.delta_choice(i * n + c.index, c, c.logprobs))
                 if choices:
                     yield chunk(choices)
                 item = await anext(it, None)
             if include_usage:
-                yield chunk([], usage(sum(prompt_tokens.values()), sum(completion_tokens.values())))
+                yield chunk([], usage(sum(prompt_tokens.values()), completion_tokens))
         except Exception as e:
             yield sse(from_exception(e).body())
         finally:

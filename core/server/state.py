@@ -20,6 +20,8 @@ from typing import Any, Callable
 
 from paged.core.config import EngineConfig
 from paged.core.frontend.async_llm import AsyncLLM
+from paged.core.frontend.stream import MergedStreams
+from paged.core.frontend.tools import model_type, tool_parser_for
 from paged.core.server.errors import APIError, ShuttingDown, engine_unavailable, shutting_down
 from paged.core.server.inputs import PromptInputs
 from paged.core.server.metrics import Metrics
@@ -39,9 +41,10 @@ class ServerState:
         self.created = int(time.time())
         self.uvicorn_server = None  # set by run_server, to stop when the engine cannot start or dies
         self.tokens: Tokens | None = None
+        self.tool_parser: type | None = None  # the served model family's tool-call parser (read at start-up)
         self.inputs: PromptInputs | None = None
         self.draining = False  # SIGTERM came: new requests get 503, open ones may finish
-        self.open_merges: set[asyncio.Queue] = set()  # one per request being answered
+        self.open_merges: set[MergedStreams] = set()  # one per request being answered
         self.exit_code = 0  # 1 once the server stops because the engine died
         self.stopping = asyncio.Event()  # the app is shutting down: no more restarts
         self.start_timeout = 600.0
@@ -56,8 +59,8 @@ class ServerState:
         self.draining = True
 
         def end_open_requests() -> None:
-            for queue in list(self.open_merges):
-                queue.put_nowait((-1, ShuttingDown()))
+            for merge in list(self.open_merges):
+                merge.interrupt(ShuttingDown())
 
         asyncio.get_running_loop().call_later(grace_s, end_open_requests)
 
@@ -67,10 +70,11 @@ class ServerState:
         if llm is None:
             return self.start_error or "the engine is starting; retry when /health returns 200"
         if not llm.is_alive:
-            return self.restarting or llm._dead or llm.client.death_message()
+            return self.restarting or llm.death_reason
         return None
 
     def require_llm(self) -> AsyncLLM:
+        """The engine, or the 503 to answer (shutting down, or the engine down). Once per request."""
         if self.draining:
             raise shutting_down()
         reason = self.engine_down()
@@ -89,7 +93,7 @@ class ServerState:
         """Start the engine (loading blocks: in a thread) and serve it; stop the server if it
         cannot start."""
         try:
-            llm = await self._new_engine()
+            llm, tool_parser = await self._new_engine()
         except Exception as e:
             self.start_error = f"the engine failed to start: {e}"
             logger.error("%s", self.start_error)
@@ -97,16 +101,27 @@ class ServerState:
             return
         if make_trace_recorder is not None:
             llm.trace_recorder = make_trace_recorder()
-        self._serve(llm)
+        self._serve(llm, tool_parser)
         logger.info("serving model %r", self.served_model_name)
 
-    async def _new_engine(self) -> AsyncLLM:
-        return await asyncio.to_thread(AsyncLLM.from_config, self.config, self.metrics, self.start_timeout,
-                                       self.cancel_start)
+    async def _new_engine(self) -> tuple[AsyncLLM, type]:
+        """A new engine and its model's tool-call parser, both found in a thread (the engine's
+        start blocks; the parser comes from the model's config.json, read here rather than on the
+        event loop for each chat request)."""
+        def start() -> tuple[AsyncLLM, type]:
+            llm = AsyncLLM.from_config(self.config, self.metrics, self.start_timeout, self.cancel_start)
+            try:
+                return llm, tool_parser_for(model_type(llm.model_info.model_dir))
+            except BaseException:
+                llm.shutdown()
+                raise
 
-    def _serve(self, llm: AsyncLLM) -> None:
+        return await asyncio.to_thread(start)
+
+    def _serve(self, llm: AsyncLLM, tool_parser: type) -> None:
         self.served_model_name = default_served_model_name(self.config)
         self.tokens = Tokens(llm.tokenizer)
+        self.tool_parser = tool_parser
         old_inputs, self.inputs = self.inputs, PromptInputs(llm)
         if old_inputs is not None:
             old_inputs.close(cancel_pending=False)  # a request may still be tokenizing there
@@ -139,7 +154,7 @@ class ServerState:
             if self.stopping.is_set():
                 return
             try:
-                llm = await self._new_engine()
+                llm, tool_parser = await self._new_engine()
             except Exception as e:
                 if self.stopping.is_set():
                     return
@@ -150,7 +165,7 @@ class ServerState:
                 await llm.aclose()
                 return
             llm.trace_recorder = old.trace_recorder
-            self._serve(llm)
+            self._serve(llm, tool_parser)
             self.restarting = None
             logger.warning("engine restarted (restart %d of %d in a row): serving again", self.restarts,
                            server.max_restarts)

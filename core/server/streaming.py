@@ -1,5 +1,5 @@
 """Output plumbing shared by the generation endpoints: token text and logprob formatting,
-server-sent events, merging several request streams, and cancelling on client disconnect."""
+server-sent events, reading several request streams as one, and cancelling on client disconnect."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from paged.core.frontend.outputs import RequestOutput
+from paged.core.frontend.stream import MergedStreams
 from paged.core.server.errors import APIError, from_exception
 
 
@@ -68,39 +69,19 @@ DONE = b"data: [DONE]\n\n"
 
 
 async def merged(streams: list, open_merges: set | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from several request streams as they come; closes them all on exit.
-    While it runs, its queue is in ``open_merges``: putting ``(-1, ShuttingDown())`` there ends it."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, stream) -> None:
-        try:
-            async for out in stream:
-                queue.put_nowait((i, out))
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            queue.put_nowait((i, e))
-        finally:
-            queue.put_nowait((i, None))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    """(prompt index, output) from several request streams as they come, read through one queue
+    (``MergedStreams``); closes them all on exit. While it runs, its MergedStreams is in
+    ``open_merges``: ``interrupt(ShuttingDown())`` there ends it."""
+    merge = MergedStreams(streams)
     if open_merges is not None:
-        open_merges.add(queue)
+        open_merges.add(merge)
     try:
-        remaining = len(streams)
-        while remaining:
-            i, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
+        async for item in merge:
+            yield item
     finally:
         if open_merges is not None:
-            open_merges.discard(queue)
-        for t in tasks:
-            t.cancel()
-        for s in streams:
-            s.close()
+            open_merges.discard(merge)
+        merge.close()
 
 
 class EventStream(StreamingResponse):

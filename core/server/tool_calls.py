@@ -11,15 +11,17 @@ from __future__ import annotations
 from typing import Any
 
 from paged.core.frontend.outputs import CompletionOutput
-from paged.core.frontend.tools import ToolCall, calls_from_constrained, model_type  # noqa: F401 (re-exported)
+from paged.core.frontend.tools import ToolCall, calls_from_constrained
 
 
 class ToolCallShaper:
-    def __init__(self, mode: str, name: str | None, parser_cls: type) -> None:
+    def __init__(self, mode: str, name: str | None, parser_cls: type | None) -> None:
+        """``parser_cls``: the model family's parser (``paged.core.frontend.tools``); needed
+        only when ``mode`` is not "none"."""
         self.mode, self.name, self.parser_cls = mode, name, parser_cls
         self.parsers: dict[int, Any] = {}  # choice index -> streaming parser (auto)
         self.streamed: dict[int, list[ToolCall]] = {}  # choice index -> calls sent so far
-        self.buffers: dict[int, str] = {}  # required: the text so far
+        self.buffers: dict[int, list[str]] = {}  # required: the text so far, in pieces (joined once, at the end)
 
     @property
     def active(self) -> bool:
@@ -61,10 +63,10 @@ class ToolCallShaper:
             elif c.new_text:
                 new_calls.append({"index": 0, "function": {"arguments": c.new_text}})
         elif self.mode == "required":
-            self.buffers[index] = self.buffers.get(index, "") + c.new_text
+            self.buffers.setdefault(index, []).append(c.new_text)
             if c.finished:
                 try:
-                    calls = calls_from_constrained("required", None, self.buffers[index])
+                    calls = calls_from_constrained("required", None, "".join(self.buffers[index]))
                 except (ValueError, KeyError, TypeError):
                     calls = []
                 new_calls = [call.to_openai(k) for k, call in enumerate(calls)]

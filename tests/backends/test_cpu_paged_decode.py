@@ -199,12 +199,13 @@ def test_backend_kernel_and_gather_paths_agree(kernel):
     assert "decode_k" not in on._buffers and "decode_k" in off._buffers  # the kernel path gathers nothing
 
 
-def test_build_failure_warns_once_and_falls_back(monkeypatch, caplog):
+def test_build_failure_warns_once_and_falls_back(monkeypatch, caplog, tmp_path):
     from torch.utils import cpp_extension
 
     def fail(*args, **kwargs):
         raise RuntimeError("no compiler here")
 
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built there: load_inline is asked
     monkeypatch.setattr(cpp_extension, "load_inline", fail)
     cpu_paged_decode.load.cache_clear()
     try:

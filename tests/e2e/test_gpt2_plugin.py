@@ -7,12 +7,11 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from helpers.fixture_packages import FIXTURES, pip_install_fixture
+from helpers.fixture_packages import pip_install_fixture
 from helpers import FIXTURES
 
 PROMPTS = ["The quick brown fox", "Paged attention keeps the KV cache in blocks, and"]

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -102,3 +103,41 @@ def serve(args: list[str], tmp: Path, port: int, env: dict[str, str] | None = No
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+@contextmanager
+def watch_health(server, interval: float = 0.02):
+    """Poll /health from a thread (one kept-alive connection) while the block runs; yields the
+    list of its latencies in seconds, and checks every answer was a 200."""
+    import httpx
+
+    latencies: list[float] = []
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def poll():
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            while not stop.is_set():
+                start = time.perf_counter()
+                statuses.append(client.get("/health").status_code)
+                latencies.append(time.perf_counter() - start)
+                stop.wait(interval)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    try:
+        yield latencies
+    finally:
+        stop.set()
+        thread.join(60)
+    assert latencies and set(statuses) == {200}, statuses
+
+
+def assert_health_kept_answering(latencies: list[float], stall_s: float) -> None:
+    """``/health`` was answered throughout: most polls at once, and none held up for anything like
+    ``stall_s``, the stall the event loop would show if the work under test ran on it. Bounds
+    relative to that stall, not a fixed latency: a loaded 2-core machine (a second test process,
+    the engine core, a compile worker) delays single polls by tens to hundreds of ms."""
+    ordered = sorted(latencies)
+    median, worst = ordered[len(ordered) // 2], ordered[-1]
+    assert median < 0.1 and worst < stall_s / 2, f"median {median:.3f} s, slowest {ordered[-5:]}"

@@ -318,3 +318,74 @@ def test_layers_keep_their_torch_ops_where_the_fused_ones_do_not_apply(ops):
     norm64.weight.data.fill_(1.0)
     x64 = torch.randn(3, 32, dtype=torch.float64)
     torch.testing.assert_close(norm64(x64), _eager_norm(x64, None, norm64.weight, 1e-5)[0])
+
+
+# ---- one build per machine and torch version ------------------------------------------------
+
+_NAMES = ("from paged.backends import cpu_paged_decode\nfrom paged.models import cpu_layer_ops\n"
+          "from paged.plugins import quant_kernels\n"
+          "print(cpu_paged_decode.build_name(), cpu_layer_ops.build_name(), quant_kernels.build_name())")
+
+
+def test_every_caller_gets_the_same_build_name(tmp_path):
+    """The name hashes what decides the library (sources, flags, torch, Python ABI, CPU), not who
+    asks: another working directory, locale, hash seed, extensions root or kernel switch."""
+    import os
+    import subprocess
+    import sys
+
+    here = (cpu_paged_decode.build_name(), cpu_layer_ops.build_name(), quant_kernels.build_name())
+    envs = [
+        os.environ.copy(),
+        dict(os.environ, LANG="C", LC_ALL="C", PYTHONHASHSEED="123", PAGED_CPU_LAYER_OPS="0",
+             TORCH_EXTENSIONS_DIR=str(tmp_path)),
+    ]
+    for env in envs:
+        out = subprocess.run([sys.executable, "-c", _NAMES], env=env, cwd=tmp_path, capture_output=True, text=True,
+                             timeout=120, check=True)
+        assert tuple(out.stdout.split()) == here
+    assert len(set(here)) == 3 and all(name.startswith("paged_") for name in here)
+
+
+def test_a_built_library_is_loaded_without_building(tmp_path):
+    """A later process loads the build as it is: no load_inline, no ninja, the file untouched."""
+    import os
+    import subprocess
+    import sys
+
+    if cpu_layer_ops.load() is None:
+        pytest.skip("the CPU layer kernels are not built here")
+    path = native.library_path(cpu_layer_ops.build_name())
+    before = os.stat(path).st_mtime_ns
+    code = ("from torch.utils import cpp_extension\n"
+            "def no_build(*a, **k):\n    raise AssertionError('built again')\n"
+            "cpp_extension.load_inline = no_build\n"
+            "from paged.models import cpu_layer_ops\nassert cpu_layer_ops.load() is not None")
+    subprocess.run([sys.executable, "-c", code], cwd=tmp_path, timeout=120, check=True)
+    assert os.stat(path).st_mtime_ns == before
+
+
+def test_a_library_that_does_not_load_is_built_again(tmp_path, monkeypatch, caplog):
+    import os
+
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    name = "paged_test_lib_0123"
+    os.makedirs(tmp_path / name)
+    (tmp_path / name / f"{name}.so").write_bytes(b"not a library")  # a build cut short
+    built = []
+    monkeypatch.setattr(cpp_extension, "load_inline", lambda *a, **k: built.append(k["build_directory"]) or "module")
+    with caplog.at_level(logging.INFO, logger="paged.test"):
+        assert native.build_and_load(name, "// nothing", [], "test kernels", logging.getLogger("paged.test")) == "module"
+    assert built == [str(tmp_path / name)] and not (tmp_path / name / f"{name}.so").exists()
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("cannot be loaded" in m for m in messages) and any(m.startswith("compiling the test kernels") for m in messages)
+
+
+def test_the_setup_command_finds_the_builds(capsys):
+    if cpu_layer_ops.load() is None:
+        pytest.skip("the CPU layer kernels are not built here")
+    assert native.main(["paged.models.cpu_layer_ops"]) == 0
+    assert native.library_path(cpu_layer_ops.build_name()) in capsys.readouterr().err
+    assert native.main([]) == 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import zlib
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,7 +15,7 @@ from paged.core.engine.request import Request, RequestStatus
 from paged.core.engine.scheduler import Scheduler
 from paged.core.engine.waiting_queue import GroupedWaitingQueue
 from paged.core.errors import RequestRejectedError
-from paged.core.policy import Admission, BasePolicy, BudgetSplit
+from paged.core.policy import Admission, BasePolicy, BudgetSplit, RequestFields, RequestView
 from paged.core.sampling_params import SamplingParams
 from paged.plugins.cache_aware import CacheAwareOptions, CacheAwarePolicy
 from paged.plugins.fair import FairPolicy
@@ -83,6 +84,39 @@ def test_a_policy_sees_read_only_views():
         view.sampling_params.copy()
     with pytest.raises(AttributeError, match="no attribute 'block_table'.*KV cache manager owns the blocks"):
         view.block_table
+
+
+def test_the_view_reads_only_the_contract_fields_which_the_engine_request_has():
+    """The contract stands alone: a plain object with exactly ``RequestFields`` serves every
+    property of the view (so the view reads nothing else), and the engine's Request has them all."""
+    plain = SimpleNamespace(
+        request_id="p", prompt_token_ids=[1, 2, 3], output_token_ids=[4], all_token_ids=[1, 2, 3, 4],
+        block_hashes=[b"h"], sampling_params=SamplingParams(max_tokens=5), num_computed_tokens=3,
+        num_cached_tokens=0, prefix_hit_tokens=2, arrival_time=1.0, priority=3, tenant="t", deadline=9.0,
+        max_tokens=5, num_preemptions=1, num_service_tokens=7, sort_key=(1,), status=RequestStatus.RUNNING,
+        cache_salt="s", eos_token_id=2, first_scheduled_time=1.5, first_token_time=2.0, finished_time=None,
+        running_s=0.5, running_since=2.0,
+    )
+    assert sorted(vars(plain)) == sorted(RequestFields.__annotations__)
+    view = RequestView(plain)
+    expected = {  # derived from ``plain`` by hand, not through the view's code
+        "request_id": "p", "num_prompt_tokens": 3, "num_output_tokens": 1, "num_tokens": 4,
+        "num_computed_tokens": 3, "num_cached_tokens": 0, "prefix_hit_tokens": 2, "arrival_time": 1.0,
+        "priority": 3, "tenant": "t", "deadline": 9.0, "max_tokens": 5, "num_preemptions": 1,
+        "num_service_tokens": 7, "sort_key": (1,), "status": RequestStatus.RUNNING, "cache_salt": "s",
+        "eos_token_id": 2, "first_scheduled_time": 1.5, "first_token_time": 2.0, "finished_time": None,
+        "prompt_token_ids": (1, 2, 3), "output_token_ids": (4,), "all_token_ids": (1, 2, 3, 4),
+        "block_hashes": (b"h",), "is_running": True, "is_finished": False,
+    }
+    offered = {n for n in dir(RequestView) if not n.startswith("_")}
+    assert offered == set(expected) | {"sampling_params", "service_s"}
+    assert {name: getattr(view, name) for name in expected} == expected
+    assert view.sampling_params.max_tokens == 5 and view.service_s(3.0) == 0.5 + (3.0 - 2.0)
+
+    request = req("a")
+    assert isinstance(request, RequestFields)
+    assert all(hasattr(request, name) for name in RequestFields.__annotations__)
+    assert RequestView(request).num_prompt_tokens == request.view.num_prompt_tokens == 8
 
 
 def test_dynamic_order_is_recomputed_each_step():
@@ -457,7 +491,6 @@ def test_readme_policy_examples_schedule_a_workload_to_completion():
     """Every example in the README's "Writing a policy" section defines a working policy."""
     import collections
     import re
-    from pathlib import Path
 
     from paged.plugins.policies import PriorityPolicy
 

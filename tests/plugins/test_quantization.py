@@ -207,3 +207,64 @@ def test_quantized_engine_with_chunked_prefill_preemption_and_prefix_caching(met
     firsts = [dense.generate([p], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0].outputs[0].token_ids[0]
               for p in prompts]
     assert sum(f == e[0] for f, e in zip(firsts, expected)) >= 3
+
+
+# ---- the packed-weight cache ------------------------------------------------------------------
+
+class _Slice:  # what paged.models.layers.CheckpointSlice tells the cache about a weight
+    dim, dest_start, src_start = 0, 0, 0
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+
+@pytest.mark.parametrize("method,options", [("int4", Int4Options()), ("int4", Int4Options(dense_copy=False)),
+                                            ("int4", Int4Options(avx512_kernel=False)), ("int8", WeightOnlyOptions())])
+def test_a_cached_weight_is_read_back_as_it_was_quantized(method, options, tmp_path):
+    from paged.core.loading.quantize import Quantizer
+
+    spec = get_registry().quantization_method(method)
+    torch.manual_seed(0)
+    weight = (torch.randn(128, 96) * 0.05).to(torch.bfloat16)
+    slices = {"model.layers.0.mlp.down_proj.weight": _Slice(128)}
+
+    first = Quantizer({method: (spec, options)}, method, {}, tmp_path)
+    made = first(weight, slices)
+    assert first.cache_hits == 0 and len(list(tmp_path.glob("*.safetensors"))) == 1
+    second = Quantizer({method: (spec, options)}, method, {}, tmp_path)
+    read = second(torch.empty_like(weight), slices)  # the values are not looked at on a hit
+    assert second.cache_hits == 1 and second.counts == {method: 1} and type(read) is type(made)
+    assert torch.equal(read.dequantize(), made.dequantize())
+    for rows in (1, 2, 7):  # the quantized kernel, and the dense copy where there is one
+        x = torch.randn(rows, 96).to(torch.bfloat16)
+        assert torch.equal(read.linear(x, None), made.linear(x, None))
+    assert read.nbytes() == made.nbytes()
+
+
+def test_a_cached_int4_weight_of_the_other_layout_is_quantized_again(tmp_path):
+    from paged.core.loading.quantize import Quantizer
+    from paged.plugins import quant_kernels
+
+    if quant_kernels.load() is None:
+        pytest.skip("one layout only here: torch's (no AVX-512 BF16 kernels)")
+    spec = get_registry().quantization_method("int4")
+    weight = (torch.randn(64, 64) * 0.05).to(torch.bfloat16)
+    slices = {"w": _Slice(64)}
+    Quantizer({"int4": (spec, Int4Options())}, "int4", {}, tmp_path)(weight, slices)  # paged's layout
+    other = Quantizer({"int4": (spec, Int4Options(avx512_kernel=False))}, "int4", {}, tmp_path)
+    q = other(weight, slices)
+    assert other.cache_hits == 0 and q.kernel is None and q.scales_and_zeros is not None
+
+
+def test_the_cache_folder_follows_the_options_and_can_be_turned_off(default_model_dir, monkeypatch):
+    from paged.core.loading.quantize import CACHE_ENV, cache_folder
+
+    spec = get_registry().quantization_method("int4")
+    cpu = torch.device("cpu")
+    a = cache_folder(default_model_dir, {"int4": (spec, Int4Options())}, torch.bfloat16, cpu)
+    b = cache_folder(default_model_dir, {"int4": (spec, Int4Options(group_size=64))}, torch.bfloat16, cpu)
+    assert a is not None and b is not None and a != b and a.parent == b.parent
+    assert a.parent == Path(default_model_dir).resolve() / "quantized"  # beside the converted GGUF
+    assert cache_folder(default_model_dir, {"int4": (spec, Int4Options())}, torch.float32, cpu) != a
+    monkeypatch.setenv(CACHE_ENV, "0")
+    assert cache_folder(default_model_dir, {"int4": (spec, Int4Options())}, torch.bfloat16, cpu) is None

@@ -4,14 +4,10 @@ before the model loads, `paged config`, the announced kernel build."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 
-from helpers import REPO_ROOT, TESTS_DIR, run_cli
+from helpers import REPO_ROOT, run_cli
 
 
 def test_run_help_has_typed_metavars_help_for_sampling_and_no_server_flags(capsys):
@@ -151,11 +147,11 @@ def test_cpu_kernel_build_is_announced_and_timed(tmp_path, monkeypatch, caplog):
     from torch.utils import cpp_extension
 
     from paged.backends import cpu_paged_decode
+    from paged.core import native
 
     if cpu_paged_decode.load() is None:
         pytest.skip("no C++ compiler: the backend falls back to gather + SDPA")
-    name = cpu_paged_decode._build_name()
-    real_so = os.path.join(cpu_paged_decode._build_directory(name), f"{name}.so")
+    real_so = native.library_path(cpu_paged_decode.build_name())
     events = []
 
     def fake_build(*args, **kwargs):  # the real build takes 10-60 s; the op is already registered

@@ -9,8 +9,8 @@ import pytest
 from paged.core.frontend.async_llm import AsyncLLM
 from paged.core.config import load_config
 from paged.core.engine.engine_core import ModelInfo
-from paged.core.engine.outputs import EngineCoreOutput
-from paged.core.ipc.messages import AbortRequests, AddRequest, Outputs, UtilityCall
+from paged.core.engine.outputs import EngineCoreOutput, EngineCoreRequest
+from paged.core.ipc.messages import AbortRequests, Outputs, UtilityCall
 from paged.core.sampling_params import SamplingParams
 
 BLOCK = 16
@@ -34,7 +34,7 @@ class FakeClient:
         self.pull = _QuietPull()
         self.decoder = None
         self.alive = True
-        self._closed = False
+        self.closed = False
         self.sent: list[tuple[object, int]] = []
         self.terminated = False
         self.answers = answers
@@ -56,7 +56,7 @@ class FakeClient:
         self.terminated = True
 
     def close(self) -> None:
-        self._closed = True
+        self.closed = True
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def _llm(tokenizer, answers=None) -> tuple[AsyncLLM, FakeClient]:
 
 
 def _adds(client: FakeClient) -> dict[str, int]:
-    return {m.request_id: core for m, core in client.sent if isinstance(m, AddRequest)}
+    return {m.request_id: core for m, core in client.sent if isinstance(m, EngineCoreRequest)}
 
 
 def _aborts(client: FakeClient) -> list[tuple[list[str], str, int]]:

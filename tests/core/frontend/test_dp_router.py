@@ -1,6 +1,8 @@
 """The data-parallel routing policy (paged.core.frontend.dp_router) and the combination of the cores' stats
 (paged.core.frontend.dp_stats), on hand-built cases: no model, no process."""
 
+import random
+
 import pytest
 
 from paged.core.engine.block_pool import hash_block_tokens
@@ -21,15 +23,132 @@ def router(num_cores: int = 2, **kw) -> DataParallelRouter:
     return DataParallelRouter(num_cores, BS, max_hashes=kw.pop("max_hashes", 1000), **kw)
 
 
-def test_router_keys_are_the_kv_cache_managers_keys():
-    tokens = list(range(3 * BS + 2))
-    request = Request("r", tokens, cache_salt="salt")
-    KVCacheManager(8, BS).update_block_hashes(request)
-    assert extend_block_hashes([], tokens, BS, "salt") == request.block_hashes
-    assert len(request.block_hashes) == 3
-    assert request.block_hashes[0] == hash_block_tokens(None, tokens[:BS], ("salt",))
-    # Extending a prefix of the chain gives the same chain.
-    assert extend_block_hashes(request.block_hashes[:1], tokens, BS, "salt") == request.block_hashes
+def test_the_router_keys_are_the_keys_the_cores_cache_finds():
+    """The router's block keys are the cores' prefix-cache keys: a prompt routed to a core and
+    computed there leaves in the core's cache exactly the blocks the router remembers for that
+    core, and for a sibling prompt the router's known match is what that core's cache finds."""
+    r = router(2)
+    cores = [KVCacheManager(32, BS) for _ in range(2)]
+
+    def compute_on(core: int, request: Request) -> int:
+        """Run ``request``'s prompt on ``core``'s KV cache manager as the engine would; the
+        prefix-cache hit (tokens) it found."""
+        kv = cores[core]
+        blocks, num_cached = kv.get_computed_blocks(request)
+        assert kv.allocate_slots(request, request.num_tokens - num_cached, blocks) is not None
+        kv.free(request)
+        return num_cached
+
+    tokens = prompt(1, 3, tail=2)
+    core = r.route("a", tokens, cache_salt="salt")
+    first = Request("a", tokens, cache_salt="salt")
+    assert compute_on(core, first) == 0
+    r.finish("a")
+    # The core's keys, chained by hand: SHA-256 of the parent, the block's ids, the salt (block 0 only).
+    by_hand, parent = [], None
+    for i in range(3):
+        parent = hash_block_tokens(parent, tokens[i * BS:(i + 1) * BS], ("salt",) if i == 0 else ())
+        by_hand.append(parent)
+    assert first.block_hashes == by_hand
+    assert dict(r.block_owner) == {h: core for h in by_hand}
+    assert all(cores[core].block_pool.get_cached_block(h) is not None for h in by_hand)
+
+    # A sibling sharing two blocks: the router's match on that core is the core's cache hit.
+    sibling = Request("b", prompt(1, 2, tail=5, tail_seed=1), cache_salt="salt")
+    cores[core].update_block_hashes(sibling)
+    assert r.known_match(sibling.block_hashes) == {core: 2}
+    # Loads are equal and the round robin would pick the other core: the prefix decides.
+    assert r.route("b", sibling.prompt_token_ids, cache_salt="salt") == core
+    assert compute_on(core, sibling) == 2 * BS
+    # The same tokens under another salt: no key in common, for the router as for the core.
+    other = Request("c", prompt(1, 3, tail=2), cache_salt="pepper")
+    cores[core].update_block_hashes(other)
+    assert r.known_match(other.block_hashes) == {} and cores[core].get_computed_blocks(other)[1] == 0
+
+
+class ReferenceRouter:
+    """The module docstring's rule written the plain way, to compare the router with: keys
+    chained by hand, the LRU map as a list (oldest first), each core's known match by scanning
+    the prompt's blocks, the choice by sorting."""
+
+    def __init__(self, num_cores: int, max_hashes: int, slack: int) -> None:
+        self.num_cores, self.max_hashes, self.slack = num_cores, max_hashes, slack
+        self.loads = [0] * num_cores
+        self.core_of: dict[str, int] = {}
+        self.lru: list[bytes] = []
+        self.last_sent: dict[bytes, int] = {}
+        self.last_round_robin = -1
+
+    @staticmethod
+    def keys(tokens: list[int], salt: str | None) -> list[bytes]:
+        keys, parent = [], None
+        for i in range(len(tokens) // BS):
+            parent = hash_block_tokens(parent, tokens[i * BS:(i + 1) * BS], (salt,) if i == 0 and salt else ())
+            keys.append(parent)
+        return keys
+
+    def match(self, keys: list[bytes], core: int) -> int:
+        """The longest k: the first k blocks all remembered, the k-th last sent to ``core``."""
+        for k in range(len(keys), 0, -1):
+            if all(h in self.last_sent for h in keys[:k]) and self.last_sent[keys[k - 1]] == core:
+                return k
+        return 0
+
+    def route(self, request_id: str, tokens: list[int], salt: str | None) -> int:
+        keys = self.keys(tokens, salt)
+        min_load = min(self.loads)
+        matches = {c: self.match(keys, c) for c in range(self.num_cores)}
+        eligible = [c for c, k in matches.items() if k > 0 and self.loads[c] <= min_load + self.slack]
+        if eligible:  # the longest match, then the lower load, then the lower rank
+            core = sorted(eligible, key=lambda c: (-matches[c], self.loads[c], c))[0]
+        else:  # the least loaded; among equals, the first after the last round-robin pick
+            least = [c for c in range(self.num_cores) if self.loads[c] == min_load]
+            core = min(least, key=lambda c: (c - self.last_round_robin - 1) % self.num_cores)
+            self.last_round_robin = core
+        self.loads[core] += 1
+        self.core_of[request_id] = core
+        for h in reversed(keys):  # the prompt's first block ends the most recent
+            if h in self.lru:
+                self.lru.remove(h)
+            self.lru.append(h)
+            self.last_sent[h] = core
+        while len(self.lru) > self.max_hashes:
+            del self.last_sent[self.lru.pop(0)]
+        return core
+
+    def finish(self, request_id: str) -> None:
+        self.loads[self.core_of.pop(request_id)] -= 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_router_chooses_what_the_documented_rule_chooses(seed):
+    """Random traffic (prefix families of several lengths, tails, salts, finishes, a cache reset)
+    on the router and on ``ReferenceRouter``: the same core every time."""
+    rng = random.Random(seed)
+    num_cores, max_hashes, slack = rng.choice([(2, 12, 2), (3, 8, 1), (4, 40, 0), (3, 1000, 2)])
+    r = router(num_cores, max_hashes=max_hashes, slack=slack)
+    reference = ReferenceRouter(num_cores, max_hashes, slack)
+    live: list[str] = []
+    choices = set()
+    for step in range(300):
+        if live and rng.random() < 0.4:
+            request_id = live.pop(rng.randrange(len(live)))
+            assert r.finish(request_id) == reference.core_of[request_id]
+            reference.finish(request_id)
+        elif rng.random() < 0.01:
+            r.forget_prefixes()
+            reference.lru.clear()
+            reference.last_sent.clear()
+        else:
+            tokens = prompt(rng.randrange(5), rng.randrange(7), tail=rng.randrange(4), tail_seed=rng.randrange(3))
+            salt = rng.choice([None, None, "s"])
+            request_id = f"r{step}"
+            core = r.route(request_id, tokens, cache_salt=salt)
+            assert core == reference.route(request_id, tokens, salt), f"step {step}"
+            live.append(request_id)
+            choices.add(core)
+        assert r.loads == reference.loads
+    assert choices == set(range(num_cores))  # the traffic reached every core
 
 
 def test_least_loaded_with_round_robin_ties():

@@ -7,10 +7,10 @@ from paged.core.sampling_params import SamplingParams
 
 def test_msgspec_messages_round_trip():
     from paged.core.engine.engine_core import ModelInfo
-    from paged.core.engine.outputs import EngineCoreOutput
+    from paged.core.engine.outputs import EngineCoreOutput, EngineCoreRequest
     from paged.core.ipc.messages import (
         AbortRequests, CoreFailed, Outputs, Ready, RequestFailed, UtilityCall, UtilityResult,
-        make_encoder, message_decoder, request_decoder, request_from_wire, request_to_wire,
+        make_encoder, message_decoder, request_decoder,
     )
     from paged.core.engine.request import Request
     from paged.core.engine.sampler import TokenLogprobs
@@ -19,18 +19,21 @@ def test_msgspec_messages_round_trip():
     params = SamplingParams(n=1, temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, seed=11, max_tokens=9,
                             stop=["\n", "END"], stop_token_ids=[7], logprobs=2, presence_penalty=0.5,
                             frequency_penalty=-0.5, ignore_eos=True)
-    request = Request("r-1#0", [1, 2, 3], params, arrival_time=12.5, priority=-3, cache_salt="s", eos_token_id=2,
-                      max_tokens=9)
-    add = request_to_wire(request)
+    # What the front-end's InputProcessor builds and sends as is.
+    add = EngineCoreRequest("r-1#0", [1, 2, 3], params, 12.5, priority=-3, cache_salt="s", eos_token_id=2,
+                            max_tokens=9, tenant="t", deadline=20.0)
     inputs = [add, AbortRequests(["a", "b"], "stop"), UtilityCall(4, "stats", [1, "x"])]
     for msg in inputs:
         payload = enc.encode(msg)
         assert isinstance(payload, bytes)
         assert request_decoder().decode(payload) == msg
-    back = request_from_wire(request_decoder().decode(enc.encode(add)))
+    # The core builds its Request from the decoded message.
+    back = request_decoder().decode(enc.encode(add)).to_request()
+    assert isinstance(back, Request)
     for name in ("request_id", "prompt_token_ids", "sampling_params", "arrival_time", "priority", "cache_salt",
-                 "eos_token_id", "max_tokens"):
-        assert getattr(back, name) == getattr(request, name), name
+                 "eos_token_id", "max_tokens", "tenant", "deadline"):
+        assert getattr(back, name) == getattr(add, name), name
+    assert back.all_token_ids == [1, 2, 3] and back.all_token_ids is not add.prompt_token_ids  # it grows
 
     out = EngineCoreOutput("r-1#0", [42], finish_reason="stop", stop_token_id=42,
                            logprobs=[TokenLogprobs(42, -0.25, 1, [(42, -0.25), (7, -1.5)])], arrival_time=1.0,

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 
-from helpers import REPO_ROOT, TESTS_DIR, run_cli
+from helpers import run_cli
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ only if the q/k de-permutation and the tensor renaming are right.
 
 from __future__ import annotations
 
-import importlib.util
 import time
 
 import numpy as np

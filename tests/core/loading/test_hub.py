@@ -10,7 +10,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 import transformers
 
 from paged.core.errors import ModelLoadError

@@ -2,15 +2,10 @@
 `openai` client (and httpx for what the client would not send)."""
 
 import asyncio
-import json
 import os
-import re
 import signal
-import socket
 import subprocess
 import sys
-import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
