@@ -95,9 +95,12 @@ def describe(error: BaseException, suspects: Iterable[PluginCode], caller: Plugi
     suspects = [s for s in suspects if s is not None]
     for frame in reversed(traceback.extract_tb(error.__traceback__)):
         filename = str(Path(frame.filename).resolve()) if frame.filename else ""
-        for suspect in suspects:
-            if suspect.owns(filename):
-                return f"{suspect.label} raised in {frame.name}: {_exception(error)}"
+        # A file that defines a suspect's code names it before a package several suspects share
+        # (one distribution can register a policy, a backend and a method from its modules).
+        owner = next((s for s in suspects if filename in s.files), None) or next(
+            (s for s in suspects if s.owns(filename)), None)
+        if owner is not None:
+            return f"{owner.label} raised in {frame.name}: {_exception(error)}"
     if caller is not None and method is not None:
         return f"{caller.label} raised in {method}: {_exception(error)}"
     return f"the engine failed: {_exception(error)}"
