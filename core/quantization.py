@@ -12,10 +12,11 @@ layers, LM head and embedding then use instead of ``W``. Activations stay in the
     def register_quantization_methods():
         return [QuantizationMethodSpec(name="my-awq", quantize=quantize_awq, options=AWQOptions)]
 
-Checkpoints that are already block-quantized (GGUF ``Q4_0``, ``Q4_1``, ``Q8_0``) hand each
-weight's :class:`BlockScales` to ``quantize``: a method whose format can hold them (the bundled
-``int4`` with groups of 32 holds Q4_0 and Q4_1 exactly) keeps the checkpoint's codes instead of
-computing its own, so nothing is lost a second time.
+Checkpoints that are already block-quantized (GGUF ``Q4_0`` ... ``Q8_0`` and the K-quants
+``Q2_K`` ... ``Q6_K``) hand each weight's :class:`BlockScales` to ``quantize``: a method whose
+format can hold them (the bundled ``gguf`` holds every one of them as stored; ``int4`` with groups
+of 32 holds Q4_0 and Q4_1) keeps the checkpoint's codes instead of computing its own, so nothing
+is lost a second time.
 
 Invariants: ``quantize`` is called once per weight at start-up (never per step); the returned
 object never changes afterwards; ``linear``/``embedding`` return the model's dtype.
@@ -23,6 +24,7 @@ object never changes afterwards; ``linear``/``embedding`` return the model's dty
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
@@ -40,24 +42,45 @@ class BlockScales:
     blocks of ``block`` input features share ``scale`` and ``offset`` (``[N, K // block]``,
     float32), and ``W[n, k] = scale[n, k // block] * code[n, k] + offset[n, k // block]``.
 
-    ``kind`` is the GGUF type name: ``q4_1`` (codes 0..15, offset = the block's ``m``),
-    ``q4_0`` (codes 0..15, offset = ``-8 * d``), ``q8_0`` (codes -128..127, offset 0). The codes
-    are recovered exactly from the dequantized weight (``codes``), so checkpoints store only the
-    dense values plus these scales.
+    ``kind`` is the GGUF type name (``paged.core.loading.gguf_blocks`` has the table): ``q4_0``
+    (codes 0..15, offset ``-8 * d``), ``q4_1`` (codes 0..15, offset the block's ``m``),
+    ``q5_0``/``q5_1`` (codes 0..31), ``q8_0`` (codes -128..127, offset 0), and the K-quants
+    ``q2_k``, ``q3_k``, ``q4_k``, ``q5_k`` (blocks of 32) and ``q6_k`` (blocks of 16) with codes
+    0 .. 2**bits - 1. A GGUF converted by paged stores the codes (``stored_codes``, what
+    ``codes()`` returns); otherwise they are recovered from the dequantized weight.
+
+    K-quants derive each block's scale from a super-block of ``super_block`` inputs: ``scale =
+    super_scale * scale_codes`` and ``offset = super_offset * offset_codes`` (``super_*``
+    ``[N, K // super_block]`` float32 holding float16 values, ``*_codes`` int8 ``[N, K //
+    block]``), exactly; the legacy types have ``super_block == block`` and codes 1. These fields
+    are None for checkpoints converted before they existed.
     """
 
     kind: str
     scale: torch.Tensor
     offset: torch.Tensor
     block: int = 32
+    stored_codes: torch.Tensor | None = None  # uint8 [N, K] (int8 for q8_0)
+    super_block: int | None = None
+    super_scale: torch.Tensor | None = None
+    super_offset: torch.Tensor | None = None
+    scale_codes: torch.Tensor | None = None
+    offset_codes: torch.Tensor | None = None
+
+    @property
+    def bits(self) -> int:
+        return {"q2_k": 2, "q3_k": 3, "q5_0": 5, "q5_1": 5, "q5_k": 5, "q6_k": 6, "q8_0": 8}.get(self.kind, 4)
 
     @property
     def code_range(self) -> tuple[int, int]:
-        return (-128, 127) if self.kind == "q8_0" else (0, 15)
+        return (-128, 127) if self.kind == "q8_0" else (0, 2**self.bits - 1)
 
     def codes(self, weight: torch.Tensor) -> torch.Tensor:
-        """The integer codes (int32 ``[N, K]``) whose dequantization is ``weight``: exact for a
-        weight that was dequantized from these scales in float32 (a zero scale gives code 0)."""
+        """The integer codes (int32 ``[N, K]``) whose dequantization is ``weight``: the stored
+        codes when there are some, else recovered, exactly for a weight that was dequantized from
+        these scales in float32 (a zero scale gives code 0)."""
+        if self.stored_codes is not None:
+            return self.stored_codes.to(torch.int32)
         n, k = weight.shape
         w = weight.float().view(n, k // self.block, self.block)
         scale = self.scale.unsqueeze(-1)
@@ -71,8 +94,42 @@ class BlockScales:
         q = codes.float().view(n, k // self.block, self.block)
         return (self.scale.unsqueeze(-1) * q + self.offset.unsqueeze(-1)).view(n, k)
 
+    def _fields(self) -> dict[str, tuple[torch.Tensor, int]]:
+        """Tensor field -> (tensor, inputs per column), for those present."""
+        per = {"scale": self.block, "offset": self.block, "stored_codes": 1, "scale_codes": self.block,
+               "offset_codes": self.block, "super_scale": self.super_block, "super_offset": self.super_block}
+        return {name: (getattr(self, name), n) for name, n in per.items() if getattr(self, name) is not None}
+
     def rows(self, start: int, length: int) -> "BlockScales":
-        return BlockScales(self.kind, self.scale.narrow(0, start, length), self.offset.narrow(0, start, length), self.block)
+        return dataclasses.replace(self, **{f: t.narrow(0, start, length) for f, (t, _) in self._fields().items()})
+
+    def columns(self, start: int, length: int) -> "BlockScales | None":
+        """Input features ``[start, start + length)`` (a row-parallel shard), or None where the
+        range cuts a block or super-block."""
+        widest = self.super_block or self.block
+        if start % widest or length % widest:
+            return None
+        return dataclasses.replace(
+            self, **{f: t.narrow(1, start // per, length // per) for f, (t, per) in self._fields().items()}
+        )
+
+    @staticmethod
+    def stack(parts: "list[tuple[BlockScales, int]]", rows: int) -> "BlockScales | None":
+        """Row blocks ``(scales, first destination row)`` -> one ``BlockScales`` of ``rows`` rows
+        (None unless every part has the same kind, block sizes and fields)."""
+        first = parts[0][0]
+        fields = first._fields()
+        if any((b.kind, b.block, b.super_block, set(b._fields())) != (first.kind, first.block, first.super_block, set(fields))
+               for b, _ in parts):
+            return None
+        out = {}
+        for name, (tensor, _) in fields.items():
+            whole = tensor.new_zeros((rows, tensor.shape[1]))
+            for b, dest in parts:
+                part = getattr(b, name)
+                whole[dest : dest + part.shape[0]] = part
+            out[name] = whole
+        return dataclasses.replace(first, **out)
 
 
 @runtime_checkable

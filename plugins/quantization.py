@@ -26,7 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from paged.core.hookspecs import hookimpl
 from paged.core.quantization import BlockScales, QuantizationMethodSpec
-from paged.plugins import quant_kernels
+from paged.core.loading import gguf_blocks
+from paged.plugins import gguf_kernels, gguf_quantization, quant_kernels
 
 _PACK_ROWS = 64  # rows per block of the CPU int4 packed layout
 
@@ -295,6 +296,12 @@ def register_quantization_methods():
     # kernel library's build name follows its source (and with it the packed layout)
     kernels = quant_kernels.build_name()
     return [
+        QuantizationMethodSpec(
+            "gguf", gguf_quantization.quantize_gguf, gguf_quantization.GGUFOptions,
+            "a GGUF's blocks as stored (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, Q2_K-Q6_K), every batch size, no dense copy",
+            gguf_quantization._cpu_only, keeps=tuple(gguf_blocks.TYPES), restore=gguf_quantization.restore_gguf,
+            cache_version=f"gguf-1:{gguf_kernels.build_name()}",
+        ),
         QuantizationMethodSpec(
             "int8", quantize_int8, WeightOnlyOptions,
             "int8 per output channel (aten._weight_int8pack_mm); GGUF Q8_0 requantized per channel",

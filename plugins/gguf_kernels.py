@@ -1,0 +1,148 @@
+"""GEMMs on GGUF block weights as the file stores them (C++, built once per machine like
+``paged.plugins.quant_kernels``), used by the bundled ``gguf`` quantization method
+(``paged.plugins.gguf_quantization``).
+
+Every GGUF type of ``paged.core.loading.gguf_blocks`` is ``W = scale_g * u + offset_g`` with
+unsigned codes ``u`` and, per group of 16 or 32 inputs, ``scale_g = d_s * a_g`` and ``offset_g =
+dm_s * o_g`` (``d_s``, ``dm_s`` float16 per super-block of 256 inputs, ``a_g``, ``o_g`` int8; the
+legacy types have one group per super-block and no ``a``/``o``). The packed layout keeps that,
+so nothing is rounded on the way in::
+
+    packed [N, row_bytes] uint8, per row: per 64 inputs the codes (chunk_bytes), then (K-quants)
+        a [K/G] int8 and o [K/G] int8, then d [K/S] and dm [K/S] float16.
+    codes of a 64-input chunk: 32 bytes whose byte j holds input j (low nibble) and input 32 + j
+        (high nibble); 5 and 6 bits add 1 or 2 bit planes of 8 bytes (bit i: input i's bit 4 + p);
+        8 bits: the 64 bytes as they are. 2- and 3-bit codes are held as 4 (exact, more memory).
+
+Arithmetic, for few rows (decode steps; ``gemm`` below ``amx_min_rows``): each 32-input half
+becomes the bf16 numbers ``128 + u`` (one OR: exact, ``u < 128``; 8 bits: two nibbles), one
+``vdpbf16ps`` per x row gives 16 fp32 lanes of pair sums, multiplied by the lane's group scale
+(with groups of 16, the lower 8 lanes are one group, the upper 8 the next); the offsets add
+``sum_g (offset_g - 128 scale_g) * sum_{k in g} x_k``. No product is rounded before the fp32 sum.
+Rows of the weight stream once per four x rows, with software prefetch (as the int4 kernel).
+
+For many rows (prefill, large batches) on CPUs with AMX: 32 weight rows at a time are
+dequantized to bfloat16 (``scale * u + offset`` rounded once, as a dense bf16 copy holds them)
+into two AMX A tiles' rows, x is transposed once per call into pairs (the B tiles' VNNI layout),
+and ``tdpbf16ps`` accumulates ``C[n, m]`` in fp32. No dense copy lives beyond the call's panel.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from paged.core import native
+from paged.core.quantization import BlockScales
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = native.read_source(Path(__file__).with_suffix(".cpp"))
+_CFLAGS = native.CFLAGS
+CHUNK = 64
+PANEL = 32  # AMX: weight rows dequantized together; N must be a multiple for the AMX path
+
+
+def build_name() -> str:
+    """The library's name in the build folder (``paged.core.native.build_name``)."""
+    return native.build_name("paged_gguf_", _SOURCE, _CFLAGS)
+
+
+@functools.cache
+def load() -> Any | None:
+    """The kernels as a Python module (``gemm``, ``dequantize_rows``, ``amx_available``), built if
+    need be on first use; None where they cannot run here (no compiler, no AVX-512 BF16)."""
+    try:
+        module = native.build_and_load(build_name(), _SOURCE, _CFLAGS, "CPU GGUF kernels", logger)
+    except Exception as e:  # noqa: BLE001 -- no compiler, unwritable cache, ...: never fatal
+        logger.warning("CPU GGUF kernels unavailable, GGUF weights use torch ops instead: %s", e)
+        return None
+    if not module.available():
+        logger.info("CPU GGUF kernels: this CPU has no AVX-512 BF16; GGUF weights use torch ops")
+        return None
+    _register_fakes()
+    return module
+
+
+@functools.cache
+def _register_fakes() -> None:
+    @torch.library.register_fake("paged_gguf::gemm")
+    def _fake_gemm(x, packed, bits, group, super_block, amx_min_rows):
+        return x.new_empty(x.shape[0], packed.shape[0])
+
+    @torch.library.register_fake("paged_gguf::dequantize_rows")
+    def _fake_rows(packed, ids, K, bits, group, super_block):
+        return packed.new_empty(ids.numel(), K, dtype=torch.bfloat16)
+
+
+def held_bits(bits: int) -> int:
+    """The code width the layout holds for ``bits`` (2 and 3 are held as 4)."""
+    return max(bits, 4)
+
+
+def chunk_bytes(bits: int) -> int:
+    bits = held_bits(bits)
+    return 64 if bits == 8 else 32 + 8 * (bits - 4)
+
+
+def row_bytes(k: int, bits: int, group: int, super_block: int) -> int:
+    return k // CHUNK * chunk_bytes(bits) + (2 * (k // group) if super_block != group else 0) + 4 * (k // super_block)
+
+
+def _f16_exact(values: torch.Tensor, what: str) -> torch.Tensor:
+    half = values.to(torch.float16)
+    if not torch.equal(half.float(), values.float()):
+        raise ValueError(f"{what} is not a float16 value (the layout stores it as one)")
+    return half
+
+
+def _bit_planes(bits: torch.Tensor) -> torch.Tensor:
+    """0/1 ``[..., 64]`` -> 8 bytes ``[..., 8]``, bit i of the little-endian 64 bits = element i."""
+    weights = (2 ** torch.arange(8, dtype=torch.int32)).view(*([1] * (bits.dim() - 1)), 1, 8)
+    return (bits.view(*bits.shape[:-1], 8, 8).to(torch.int32) * weights).sum(-1).to(torch.uint8)
+
+
+def pack(scales: BlockScales, weight: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """``scales`` (with codes, or codes recovered from ``weight``) -> ``(packed, (bits, group,
+    super_block))``. Raises ValueError where the weight's scales do not fit the layout."""
+    n, k = weight.shape
+    bits, group = scales.bits, scales.block
+    two_level = scales.super_block is not None and scales.super_block != group
+    super_block = scales.super_block if two_level else group
+    if k % CHUNK or k % super_block:
+        raise ValueError(f"{k} inputs are not a multiple of 64 and of the super-block ({super_block})")
+    codes = scales.codes(weight)
+    if scales.kind == "q8_0":  # signed codes: u = c + 128, offset -128 d
+        codes = codes + 128
+    u = codes.to(torch.int32).view(n, k // CHUNK, CHUNK)
+    hb = held_bits(bits)
+    if hb == 8:
+        chunks = [u.to(torch.uint8)]
+    else:
+        low = u & 15
+        chunks = [(low[..., :32] | (low[..., 32:] << 4)).to(torch.uint8)]
+        chunks += [_bit_planes((u >> (4 + p)) & 1) for p in range(hb - 4)]
+    parts = [torch.cat(chunks, dim=-1).reshape(n, -1)]
+    if two_level:
+        parts += [scales.scale_codes.to(torch.int8).view(torch.uint8), scales.offset_codes.to(torch.int8).view(torch.uint8)]
+        d, dm = scales.super_scale, scales.super_offset
+    else:
+        d = scales.scale
+        dm = scales.offset if scales.kind != "q8_0" else -128.0 * scales.scale.float()
+    parts += [_f16_exact(d, "a scale").contiguous().view(torch.uint8), _f16_exact(dm, "an offset").contiguous().view(torch.uint8)]
+    packed = torch.cat(parts, dim=1).contiguous()
+    assert packed.shape[1] == row_bytes(k, bits, group, super_block)
+    return packed, (bits, group, super_block)
+
+
+def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: tuple[int, int, int], amx_min_rows: int) -> torch.Tensor:
+    """The kernel as the torch op (what ``torch.compile`` traces; eager code calls ``load()``'s)."""
+    return torch.ops.paged_gguf.gemm(x, packed, *fmt, amx_min_rows)
+
+
+def dequantize_rows(packed: torch.Tensor, ids: torch.Tensor, k: int, fmt: tuple[int, int, int]) -> torch.Tensor:
+    return torch.ops.paged_gguf.dequantize_rows(packed, ids, k, *fmt)

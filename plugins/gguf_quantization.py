@@ -1,0 +1,150 @@
+"""The bundled ``gguf`` quantization method: a GGUF file's quantized weights kept as the file
+stores them (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), at every batch size,
+with no dense copy (``paged.plugins.gguf_kernels`` has the layout and the kernels).
+
+Each weight holds its codes and two-level scales as the file does (2- and 3-bit codes widened to
+4): resident weights are 1.03-1.12x the file's bytes for the 4- to 8-bit types. Few rows (decode)
+run the exact ``vdpbf16ps`` kernel; from ``amx_min_rows`` rows on, CPUs with AMX dequantize 32
+weight rows at a time into bfloat16 tiles. Without the kernels (no AVX-512 BF16) the weights keep
+their codes and scales as tensors and each call dequantizes with torch ops (correct, slow).
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from paged.core.loading.gguf_blocks import TYPES
+from paged.core.quantization import BlockScales
+from paged.plugins import gguf_kernels
+
+
+class GGUFOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    amx_min_rows: int = Field(
+        6, ge=0, description="batches of at least this many rows use AMX tiles (CPUs with AMX; 0 = never): "
+        "benchmarks/gguf_gemm.py measures the crossing, 5-8 rows on the 2-core Xeon",
+    )
+    kernel: bool = Field(True, description="paged's C++ kernels (AVX-512 BF16); false = torch ops (slow)")
+
+
+def _cpu_only(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+    if device.type != "cpu":
+        return False, f"the GGUF kernels run on the CPU only, not {device.type}"
+    return True, ""
+
+
+class GGUFWeight:
+    """One GGUF weight ``W [N, K]`` in the packed layout (``packed``, ``fmt = (bits, group,
+    super_block)``), or, without the kernels, as ``codes`` uint8 with float32 ``scale`` and
+    ``offset`` per group."""
+
+    def __init__(self, shape: tuple[int, int], dtype: torch.dtype, options: GGUFOptions, kind: str) -> None:
+        self.shape = shape
+        self.dtype = dtype
+        self.kind = kind
+        self.amx_min_rows = options.amx_min_rows
+        self.kernels = gguf_kernels.load() if options.kernel else None
+        self.packed: torch.Tensor | None = None
+        self.fmt: tuple[int, int, int] = (0, 0, 0)
+        self.codes = self.scale = self.offset = None
+
+    @classmethod
+    def from_scales(cls, weight: torch.Tensor, scales: BlockScales, options: GGUFOptions) -> "GGUFWeight | None":
+        self = cls(tuple(weight.shape), weight.dtype, options, scales.kind)
+        if self.kernels is not None and weight.dtype == torch.bfloat16:
+            try:
+                self.packed, self.fmt = gguf_kernels.pack(scales, weight)
+                return self
+            except ValueError:
+                pass  # scales the layout cannot hold exactly (a float16 overflow): the torch form below
+        codes = scales.codes(weight)
+        if scales.kind == "q8_0":  # as unsigned codes with the offset -128 d
+            codes, offset = codes + 128, scales.offset - 128 * scales.scale
+        else:
+            offset = scales.offset
+        self.kernels = None
+        self.codes, self.scale, self.offset = codes.to(torch.uint8), scales.scale.float(), offset.float()
+        self.fmt = (scales.bits, scales.block, scales.super_block or scales.block)
+        return self
+
+    # ---- the products ----
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed is not None:
+            xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+            if torch.compiler.is_compiling():
+                out = gguf_kernels.gemm(xb, self.packed, self.fmt, self.amx_min_rows)
+            else:
+                out = self.kernels.gemm(xb, self.packed, *self.fmt, self.amx_min_rows)
+            out = out.to(x.dtype)
+        else:
+            out = torch.nn.functional.linear(x, self.dequantize().to(x.dtype))
+        return out if bias is None else out + bias
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            flat = ids.reshape(-1)
+            rows = self.kernels.dequantize_rows(self.packed, flat, self.shape[1], *self.fmt)
+            return rows.to(self.dtype).view(*ids.shape, self.shape[1])
+        return self._dequantize_rows(ids.reshape(-1)).view(*ids.shape, self.shape[1])
+
+    def dequantize(self) -> torch.Tensor:
+        if self.packed is not None:
+            return self.embedding(torch.arange(self.shape[0]))
+        return self._dequantize_rows(None)
+
+    def _dequantize_rows(self, ids: torch.Tensor | None) -> torch.Tensor:
+        codes, scale, offset = (self.codes, self.scale, self.offset) if ids is None else (
+            self.codes[ids], self.scale[ids], self.offset[ids])
+        t, k = codes.shape
+        group = self.fmt[1]
+        w = codes.float().view(t, k // group, group) * scale.unsqueeze(-1) + offset.unsqueeze(-1)
+        return w.view(t, k).to(self.dtype)
+
+    def nbytes(self) -> int:
+        if self.packed is not None:
+            return self.packed.numel()
+        return self.codes.numel() + 4 * (self.scale.numel() + self.offset.numel())
+
+    # ---- the packed-weight cache ----
+
+    def cache_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        meta = {"shape": json.dumps(self.shape), "dtype": str(self.dtype).removeprefix("torch."),
+                "fmt": json.dumps(self.fmt), "kind": self.kind}
+        if self.packed is not None:
+            return {"packed": self.packed}, meta
+        return {"codes": self.codes, "scale": self.scale, "offset": self.offset}, meta
+
+    @classmethod
+    def restore(cls, tensors: dict[str, torch.Tensor], meta: dict[str, str], options: GGUFOptions | None) -> "GGUFWeight | None":
+        options = options or GGUFOptions()
+        self = cls(tuple(json.loads(meta["shape"])), getattr(torch, meta["dtype"]), options, meta["kind"])
+        self.fmt = tuple(json.loads(meta["fmt"]))
+        if "packed" in tensors:
+            if self.kernels is None:
+                return None  # packed for kernels this process does not have: quantize again
+            self.packed = tensors["packed"]
+        else:
+            if self.kernels is not None and self.dtype == torch.bfloat16:
+                return None  # stored in the torch form, but the kernels can run here: pack again
+            self.kernels = None
+            self.codes, self.scale, self.offset = tensors["codes"], tensors["scale"], tensors["offset"]
+        return self
+
+
+def quantize_gguf(weight: torch.Tensor, scales: BlockScales | None, options: GGUFOptions | None) -> GGUFWeight | None:
+    """The weight as its GGUF blocks; None (stays dense) for a weight without them, or whose
+    scales lack the super-block fields (a K-quant converted before they were stored)."""
+    if scales is None or scales.kind not in TYPES:
+        return None
+    if TYPES[scales.kind].super_block != scales.block and scales.super_scale is None:
+        return None
+    return GGUFWeight.from_scales(weight, scales, options or GGUFOptions())
+
+
+def restore_gguf(tensors: dict[str, torch.Tensor], meta: dict[str, str], options: GGUFOptions | None) -> GGUFWeight | None:
+    return GGUFWeight.restore(tensors, meta, options)

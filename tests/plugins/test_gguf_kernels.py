@@ -1,0 +1,96 @@
+"""The GGUF kernels and the ``gguf`` method: every block type's products against a float64
+product with gguf's own dequantized weight, both kernel paths (few rows; AMX tiles), the rows
+of the embedding, the torch fallback, the packed-weight cache, and the memory held."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.gguf_blocks import block_scales, gguf_dequantized, random_blocks
+from paged.core.loading import gguf_blocks
+from paged.plugins import gguf_kernels
+from paged.plugins.gguf_quantization import GGUFOptions, GGUFWeight, quantize_gguf
+
+KINDS = list(gguf_blocks.TYPES)
+KERNELS = gguf_kernels.load()
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason="the GGUF kernels need AVX-512 BF16 and a compiler")
+
+
+def _weight(kind: str, n: int = 96, k: int = 512, seed: int = 0):
+    blocks = random_blocks(kind, n, k, seed=seed)
+    exact = torch.from_numpy(gguf_dequantized(blocks, kind, n, k))
+    return exact, block_scales(blocks, kind, n, k)
+
+
+def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", KINDS)
+def test_products_match_float64_with_gguf_weights(kind):
+    exact, scales = _weight(kind)
+    w = quantize_gguf(exact.bfloat16(), scales, GGUFOptions(amx_min_rows=0))
+    assert w.packed is not None
+    amx = quantize_gguf(exact.bfloat16(), scales, GGUFOptions(amx_min_rows=1))
+    gen = torch.Generator().manual_seed(1)
+    for m in (1, 2, 3, 4, 5, 9, 33):
+        x = torch.randn(m, exact.shape[1], generator=gen).bfloat16()
+        ref = x.double() @ exact.double().T
+        # exact products summed in fp32, then one bf16 rounding: a few bf16 ulps of the largest output
+        assert _relative_error(w.linear(x, None), ref) < 1e-2, m
+        if KERNELS.amx_available():  # 32-row panels of bf16 weights on AMX tiles
+            assert _relative_error(amx.linear(x, None), ref) < 1e-2, m
+    bias = torch.randn(exact.shape[0]).bfloat16()
+    x = torch.randn(2, exact.shape[1], generator=gen).bfloat16()
+    torch.testing.assert_close(w.linear(x, bias), w.linear(x, None) + bias)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", KINDS)
+def test_embedding_rows_are_the_exact_weights_rounded_to_bfloat16(kind):
+    exact, scales = _weight(kind, seed=2)
+    w = quantize_gguf(exact.bfloat16(), scales, None)
+    ids = torch.tensor([[0, 95], [7, 7]])
+    assert torch.equal(w.embedding(ids), exact[ids].bfloat16())
+    assert torch.equal(w.dequantize(), exact.bfloat16())
+
+
+@pytest.mark.parametrize("kind", ["q4_k", "q6_k", "q8_0", "q5_0"])
+def test_the_torch_fallback_keeps_codes_and_matches(kind):
+    exact, scales = _weight(kind, seed=4)
+    w = quantize_gguf(exact, scales, GGUFOptions(kernel=False))  # float32: the torch form
+    assert w.packed is None and w.codes.dtype == torch.uint8
+    assert torch.equal(w.dequantize(), exact)
+    x = torch.randn(3, exact.shape[1])
+    torch.testing.assert_close(w.linear(x, None), x @ exact.T, rtol=1e-5, atol=1e-5)
+    assert torch.equal(w.embedding(torch.tensor([3, 1])), exact[[3, 1]])
+
+
+@needs_kernels
+def test_held_bytes_stay_close_to_the_file():
+    for kind, t in gguf_blocks.TYPES.items():
+        exact, scales = _weight(kind, n=64, k=768)
+        w = quantize_gguf(exact.bfloat16(), scales, None)
+        file_bytes = exact.numel() // t.super_block * t.block_bytes
+        ratio = w.nbytes() / file_bytes
+        # 4 to 8 bits: the file's bytes plus at most 12% (int8 group codes, float16 super scales);
+        # 2 and 3 bits are held as 4
+        assert ratio <= (1.12 if t.bits >= 4 else 2.0), (kind, ratio)
+
+
+@needs_kernels
+def test_a_cached_gguf_weight_is_read_back_as_it_was_packed():
+    exact, scales = _weight("q5_k")
+    w = quantize_gguf(exact.bfloat16(), scales, None)
+    tensors, meta = w.cache_tensors()
+    back = GGUFWeight.restore({k: v.clone() for k, v in tensors.items()}, meta, None)
+    x = torch.randn(2, exact.shape[1]).bfloat16()
+    assert torch.equal(back.linear(x, None), w.linear(x, None)) and back.nbytes() == w.nbytes()
+    # packed for kernels a process without them cannot run: quantized again there
+    assert GGUFWeight.restore(tensors, meta, GGUFOptions(kernel=False)) is None
+
+
+def test_weights_without_blocks_stay_dense():
+    assert quantize_gguf(torch.randn(64, 256), None, None) is None
