@@ -5,8 +5,8 @@ int4 kernel (``paged.plugins.quant_kernels``), side by side.
 A decode step's weights of the default model's shapes (30 layers x qkv, o, gate_up, down; random
 blocks of each type), called in the model's order so that they come from memory as in a step;
 the candidates alternate, one whole pass each per round. Prints ms per pass for each row count,
-with the GGUF kernel's two paths (K-quants on shapes widened to 768 inputs: 576 is not a
-multiple of their 256-input super-blocks) (``rows``: vdpbf16ps, ``amx``: dequantized panels on AMX tiles),
+with the GGUF kernel's three paths (``rows-i8``: the few-rows path with int8 activations, vpdpbusd) (K-quants on shapes widened to 768 inputs: 576 is not a
+multiple of their 256-input super-blocks) (``rows``: vdpbf16ps on exact codes, ``amx``: dequantized panels on AMX tiles),
 and the row count from which ``amx`` wins (what ``amx_min_rows`` should be).
 
     python benchmarks/gguf_gemm.py
@@ -65,8 +65,9 @@ def main(argv: list[str] | None = None) -> None:
         held = sum(p.numel() for p, _ in weights["gguf"])
         print(f"\n{kind}: shapes {list(shapes.values())}, {held / 2**20:.1f} MiB held by the GGUF layout")
         candidates = {
-            "rows": lambda x, i: kernels.gemm(x, *weights["gguf"][i][:1], *weights["gguf"][i][1], 0),
-            "amx": lambda x, i: kernels.gemm(x, *weights["gguf"][i][:1], *weights["gguf"][i][1], 1),
+            "rows": lambda x, i: kernels.gemm(x, *weights["gguf"][i][:1], *weights["gguf"][i][1], 0, False),
+            "rows-i8": lambda x, i: kernels.gemm(x, *weights["gguf"][i][:1], *weights["gguf"][i][1], 0, True),
+            "amx": lambda x, i: kernels.gemm(x, *weights["gguf"][i][:1], *weights["gguf"][i][1], 1, False),
             "dense": lambda x, i: torch.ops.mkldnn._linear_pointwise(x, weights["dense"][i], None, "none", [], ""),
         }
         if "int4" in weights:

@@ -10,6 +10,7 @@ count every later token as a miss; computed with one prefill through the engine'
     python benchmarks/quant_quality.py                     # ~1,000 tokens: 8 prompts x 128
     python benchmarks/quant_quality.py --quick             # 2 prompts x 16 tokens (smoke test)
     python benchmarks/quant_quality.py --candidate-quantization int4 --reference-dtype float32
+    python benchmarks/quant_quality.py --max-num-seqs 1     # decode one row at a time
 """
 
 from __future__ import annotations
@@ -44,11 +45,12 @@ TEXT = (
 )
 
 
-def _llm(args, dtype: str, quantization: str):
+def _llm(args, dtype: str, quantization: str, options: dict | None = None):
     from paged import LLM
 
     return LLM(args.model, device="cpu", dtype=dtype, quantization=quantization, attention="torch",
-               max_num_seqs=len(PROMPTS), enable_prefix_caching=False)
+               quantization_options=options or {}, max_num_seqs=args.max_num_seqs or len(PROMPTS),
+               enable_prefix_caching=False)
 
 
 def _all_logits(llm, ids: list[int]):
@@ -87,6 +89,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--candidate-quantization", default="auto")
     parser.add_argument("--num-prompts", type=int, default=len(PROMPTS))
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--candidate-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="an option of the candidate's quantization method (e.g. int8_activations=false)")
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="prompts decoded at once (default: all; 1 = one-row decode steps, the kernels' few-rows path)")
     parser.add_argument("--quick", action="store_true", help="2 prompts x 16 tokens")
     args = parser.parse_args(argv)
     if args.quick:
@@ -96,7 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     results = {}
     for role in ("reference", "candidate"):
-        llm = _llm(args, getattr(args, f"{role}_dtype"), getattr(args, f"{role}_quantization"))
+        options = dict(kv.split("=", 1) for kv in args.candidate_option) if role == "candidate" else None
+        llm = _llm(args, getattr(args, f"{role}_dtype"), getattr(args, f"{role}_quantization"), options)
         tok = llm.tokenizer
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
                    for p in PROMPTS[: args.num_prompts]]
@@ -114,7 +121,8 @@ def main(argv: list[str] | None = None) -> None:
         total += len(r)
     summary = {
         "reference": f"{args.reference_dtype}/{args.reference_quantization}",
-        "candidate": f"{args.candidate_dtype}/{args.candidate_quantization}",
+        "candidate": f"{args.candidate_dtype}/{args.candidate_quantization}"
+                     + "".join(f" {o}" for o in args.candidate_option),
         "first_divergence": first_div, "top1_agreement": agree / total, "tokens": total,
         "ppl_reference": ref["ppl"], "ppl_candidate": cand["ppl"], "ppl_delta": cand["ppl"] - ref["ppl"],
     }

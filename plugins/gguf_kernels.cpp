@@ -145,9 +145,23 @@ struct Ctx {
   const uint16_t* xb;  // x [M, K] bf16 bits
   const float* xs;     // per group of x, the sum of x [M, K / group]
   uint16_t* out;       // [M, N] bf16 bits
+  const int8_t* xq;    // int8 activations: x [M, K] quantized per 32 inputs (or null)
+  const float* xql;    // their scales, lane-expanded per 64-input chunk [M, K / 64, 16]
 };
 
 constexpr int AND_OR = 0xEA;  // (A & B) | C as a ternary-logic table
+
+// The scales and offsets of a tile's R rows into scratch (2 R K / G floats).
+template <int R>
+inline void tile_scales(const uint8_t* w, int64_t stride, int64_t K, const Format& f, float* scratch, float* scale[R],
+                        float* offset[R]) {
+  const int64_t groups = K / f.group;
+  for (int r = 0; r < R; ++r) {
+    scale[r] = scratch + 2 * r * groups;
+    offset[r] = scale[r] + groups;
+    row_scales(w + r * stride, K, f, scale[r], offset[r]);
+  }
+}
 
 // R output rows from row n for MT x rows from m0: per half-chunk, vdpbf16ps of the codes as the
 // bf16 numbers 128 + u (exact: u < 128) with x, times the lane scales; then sum_g (offset_g -
@@ -160,11 +174,7 @@ void tile(const uint8_t* w, const Ctx& ctx, int64_t n, int64_t m0, float* scratc
   const float* xs = ctx.xs + m0 * groups;
   float* scale[R];
   float* offset[R];
-  for (int r = 0; r < R; ++r) {
-    scale[r] = scratch + 2 * r * groups;
-    offset[r] = scale[r] + groups;
-    row_scales(w + r * stride, K, ctx.f, scale[r], offset[r]);
-  }
+  tile_scales<R>(w, stride, K, ctx.f, scratch, scale, offset);
   __m512 acc[R][MT], acc1[R][MT];  // two per output: the halves' FMA chains stay independent
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MT; ++m) acc[r][m] = acc1[r][m] = _mm512_setzero_ps();
@@ -215,6 +225,77 @@ void tile(const uint8_t* w, const Ctx& ctx, int64_t n, int64_t m0, float* scratc
   }
 }
 
+#ifdef __AVX512VNNI__
+// One 64-input chunk's codes as 64 bytes, input i in byte i.
+template <int BITS>
+inline __m512i decode_bytes(const uint8_t* c) {
+  if constexpr (BITS == 8) {
+    return _mm512_loadu_si512(c);
+  } else {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+    const __m256i nib = _mm256_set1_epi8(0x0f);
+    __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, nib)),
+                                   _mm256_and_si256(_mm256_srli_epi16(b, 4), nib), 1);
+    for (int p = 0; p < BITS - 4; ++p) {
+      uint64_t plane;
+      std::memcpy(&plane, c + 32 + 8 * p, 8);
+      v = _mm512_mask_add_epi8(v, _cvtu64_mask64(plane), v, _mm512_set1_epi8(char(16 << p)));
+    }
+    return v;
+  }
+}
+
+// The int8-activation variant of tile(): x quantized per 32 inputs (llama.cpp's Q8 activations),
+// vpdpbusd multiplies 64 codes (unsigned) by 64 int8 x per instruction into 16 int32 lanes (lane
+// l: inputs 4l .. 4l + 3), converted and scaled per lane by the weight group's scale times the x
+// block's; the offsets use the exact sums of x.
+template <int BITS, int G, int R, int MT>
+void tile_int8(const uint8_t* w, const Ctx& ctx, int64_t n, int64_t m0, float* scratch) {
+  const int64_t K = ctx.K, groups = K / G, stride = ctx.f.row_bytes(K), cb = ctx.f.chunk_bytes(), chunks = K / CHUNK;
+  const int8_t* xq = ctx.xq + m0 * K;
+  const float* xql = ctx.xql + m0 * chunks * 16;
+  const float* xs = ctx.xs + m0 * groups;
+  float* scale[R];
+  float* offset[R];
+  tile_scales<R>(w, stride, K, ctx.f, scratch, scale, offset);
+  // lane l of a chunk is inputs 4l .. 4l + 3: group 2c + l / 8 (G = 32) or 4c + l / 4 (G = 16)
+  const __m512i lane_group = G == 32 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
+                                     : _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  __m512 acc[R][MT];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m512i x[MT];
+    for (int m = 0; m < MT; ++m) x[m] = _mm512_loadu_si512(xq + m * K + CHUNK * c);
+    for (int r = 0; r < R; ++r) {
+      const __m512i codes = decode_bytes<BITS>(w + r * stride + cb * c);
+      const __m512 sw = _mm512_permutexvar_ps(lane_group, _mm512_castps128_ps512(_mm_loadu_ps(scale[r] + (CHUNK / G) * c)));
+      for (int m = 0; m < MT; ++m) {
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, x[m]);
+        const __m512 lane_scale = _mm512_mul_ps(sw, _mm512_loadu_ps(xql + (m * chunks + c) * 16));
+        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), lane_scale, acc[r][m]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int64_t g = 0; g < groups; g += 16) {
+      const __mmask16 k = groups - g >= 16 ? __mmask16(0xffff) : __mmask16((1u << (groups - g)) - 1);
+      const __m512 o = _mm512_maskz_loadu_ps(k, offset[r] + g);
+      for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_fmadd_ps(o, _mm512_maskz_loadu_ps(k, xs + m * groups + g), acc[r][m]);
+    }
+    for (int m = 0; m < MT; ++m) ctx.out[(m0 + m) * ctx.N + n + r] = f_to_bf16(_mm512_reduce_add_ps(acc[r][m]));
+  }
+}
+#endif  // __AVX512VNNI__
+
+template <int BITS, int G, int R, int MT>
+inline void tile_any(const uint8_t* w, const Ctx& ctx, int64_t n, int64_t m0, float* scratch) {
+#ifdef __AVX512VNNI__
+  if (ctx.xq != nullptr) return tile_int8<BITS, G, R, MT>(w, ctx, n, m0, scratch);
+#endif
+  tile<BITS, G, R, MT>(w, ctx, n, m0, scratch);
+}
+
 template <int BITS, int G, int MT>
 void rows_range(const uint8_t* w, const Ctx& ctx, int64_t m0, int64_t n0, int64_t n1, float* scratch) {
   constexpr int R = MT == 1 ? 4 : MT == 2 ? 2 : 1;
@@ -226,9 +307,9 @@ void rows_range(const uint8_t* w, const Ctx& ctx, int64_t m0, int64_t n0, int64_
   for (; n + R <= n1; n += R) {
     const int64_t target = std::min(end, (n + R) * stride + PREFETCH_BYTES);
     for (; next < target; next += 64) _mm_prefetch(base + next, _MM_HINT_T0);
-    tile<BITS, G, R, MT>(w + n * stride, ctx, n, m0, scratch);
+    tile_any<BITS, G, R, MT>(w + n * stride, ctx, n, m0, scratch);
   }
-  for (; n < n1; ++n) tile<BITS, G, 1, MT>(w + n * stride, ctx, n, m0, scratch);
+  for (; n < n1; ++n) tile_any<BITS, G, 1, MT>(w + n * stride, ctx, n, m0, scratch);
 }
 
 template <int BITS, int G>
@@ -414,8 +495,34 @@ void check(const at::Tensor& packed, int64_t K, const Format& f, const char* op)
 }
 
 // x [M, K] bfloat16 times packed [N, row_bytes] -> [M, N] bfloat16; AMX from amx_min_rows rows
+#ifdef PAGED_GGUF_AVX512
+// x [M, K] bf16 -> int8 per 32 inputs (scale = max |x| / 127, round to nearest), the scales
+// lane-expanded per 64-input chunk: lanes 0-7 the chunk's first block, 8-15 its second.
+void quantize_x(const uint16_t* xb, int64_t M, int64_t K, int8_t* xq, float* xql) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < K / CHUNK; ++c) {
+      float d[2];
+      for (int h = 0; h < 2; ++h) {
+        const uint16_t* p = xb + m * K + CHUNK * c + 32 * h;
+        __m512 v[2];
+        for (int q = 0; q < 2; ++q)
+          v[q] = _mm512_castsi512_ps(_mm512_slli_epi32(
+              _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * q))), 16));
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+        d[h] = amax / 127.f;
+        const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        for (int q = 0; q < 2; ++q)
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + m * K + CHUNK * c + 32 * h + 16 * q),
+                           _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v[q], inv))));
+      }
+      _mm512_storeu_ps(xql + (m * (K / CHUNK) + c) * 16,
+                       _mm512_mask_blend_ps(__mmask16(0xff00), _mm512_set1_ps(d[0]), _mm512_set1_ps(d[1])));
+    }
+}
+#endif
+
 at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t bits, int64_t group, int64_t super_block,
-                int64_t amx_min_rows) {
+                int64_t amx_min_rows, bool int8_activations) {
   const Format f = format_of(bits, group, super_block);
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && x_in.device().is_cpu(),
               "gguf_gemm: x must be [M, K] bfloat16 on the CPU, got ", x_in.sizes(), " ", x_in.scalar_type());
@@ -435,7 +542,17 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t bits, 
       for (int64_t j = 0; j < f.group; ++j) s += bf16_to_f(xb[m * K + g * f.group + j]);
       xs[m * groups + g] = s;
     }
-  const Ctx ctx{K, N, f, xb, xs.data(), reinterpret_cast<uint16_t*>(out.data_ptr())};
+  std::vector<int8_t> xq;
+  std::vector<float> xql;
+#ifdef __AVX512VNNI__
+  if (int8_activations && !amx) {
+    xq.resize(M * K);
+    xql.resize(M * (K / CHUNK) * 16);
+    quantize_x(xb, M, K, xq.data(), xql.data());
+  }
+#endif
+  const Ctx ctx{K, N, f, xb, xs.data(), reinterpret_cast<uint16_t*>(out.data_ptr()), xq.empty() ? nullptr : xq.data(),
+                xql.data()};
   const uint8_t* w = packed.data_ptr<uint8_t>();
   dispatch(f, [&](auto b, auto g) { gemm_format<decltype(b)::value, decltype(g)::value>(ctx, w, M, amx); });
 #endif
@@ -469,11 +586,18 @@ at::Tensor dequantize_rows(const at::Tensor& packed, const at::Tensor& ids_in, i
 
 bool kernels_available() { return available(); }
 bool kernels_amx() { return amx_available(); }
+bool kernels_int8_activations() {
+#ifdef __AVX512VNNI__
+  return available();
+#else
+  return false;
+#endif
+}
 
 }  // namespace
 
 TORCH_LIBRARY(paged_gguf, m) {  // CPU kernels below; fakes in Python
-  m.def("gemm(Tensor x, Tensor packed, int bits, int group, int super_block, int amx_min_rows) -> Tensor");
+  m.def("gemm(Tensor x, Tensor packed, int bits, int group, int super_block, int amx_min_rows, bool int8_activations) -> Tensor");
   m.def("dequantize_rows(Tensor packed, Tensor ids, int K, int bits, int group, int super_block) -> Tensor");
 }
 
@@ -489,4 +613,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {  // eager calls without the dispatche
   m.def("dequantize_rows", &dequantize_rows, py::call_guard<py::gil_scoped_release>());
   m.def("available", &kernels_available);
   m.def("amx_available", &kernels_amx);
+  m.def("int8_activations_available", &kernels_int8_activations);
 }

@@ -14,7 +14,11 @@ so nothing is rounded on the way in::
         (high nibble); 5 and 6 bits add 1 or 2 bit planes of 8 bytes (bit i: input i's bit 4 + p);
         8 bits: the 64 bytes as they are. 2- and 3-bit codes are held as 4 (exact, more memory).
 
-Arithmetic, for few rows (decode steps; ``gemm`` below ``amx_min_rows``): each 32-input half
+Arithmetic, for few rows (decode steps; ``gemm`` below ``amx_min_rows``), with int8 activations
+(``int8_activations``, CPUs with AVX-512 VNNI): x is quantized per 32 inputs (scale ``max|x| /
+127``, as llama.cpp's Q8 activations), a chunk's 64 codes become 64 bytes and one ``vpdpbusd`` per
+x row multiplies them by 64 int8 x into 16 int32 lanes, converted and scaled per lane by the
+weight group's scale times the x block's; the offsets use x's exact sums. Exact instead: each 32-input half
 becomes the bf16 numbers ``128 + u`` (one OR: exact, ``u < 128``; 8 bits: two nibbles), one
 ``vdpbf16ps`` per x row gives 16 fp32 lanes of pair sums, multiplied by the lane's group scale
 (with groups of 16, the lower 8 lanes are one group, the upper 8 the next); the offsets add
@@ -71,7 +75,7 @@ def load() -> Any | None:
 @functools.cache
 def _register_fakes() -> None:
     @torch.library.register_fake("paged_gguf::gemm")
-    def _fake_gemm(x, packed, bits, group, super_block, amx_min_rows):
+    def _fake_gemm(x, packed, bits, group, super_block, amx_min_rows, int8_activations):
         return x.new_empty(x.shape[0], packed.shape[0])
 
     @torch.library.register_fake("paged_gguf::dequantize_rows")
@@ -139,9 +143,10 @@ def pack(scales: BlockScales, weight: torch.Tensor) -> tuple[torch.Tensor, tuple
     return packed, (bits, group, super_block)
 
 
-def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: tuple[int, int, int], amx_min_rows: int) -> torch.Tensor:
+def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: tuple[int, int, int], amx_min_rows: int,
+         int8_activations: bool) -> torch.Tensor:
     """The kernel as the torch op (what ``torch.compile`` traces; eager code calls ``load()``'s)."""
-    return torch.ops.paged_gguf.gemm(x, packed, *fmt, amx_min_rows)
+    return torch.ops.paged_gguf.gemm(x, packed, *fmt, amx_min_rows, int8_activations)
 
 
 def dequantize_rows(packed: torch.Tensor, ids: torch.Tensor, k: int, fmt: tuple[int, int, int]) -> torch.Tensor:

@@ -31,8 +31,9 @@ def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("kind", KINDS)
 def test_products_match_float64_with_gguf_weights(kind):
     exact, scales = _weight(kind)
-    w = quantize_gguf(exact.bfloat16(), scales, GGUFOptions(amx_min_rows=0))
+    w = quantize_gguf(exact.bfloat16(), scales, GGUFOptions(amx_min_rows=0, int8_activations=False))
     assert w.packed is not None
+    int8 = quantize_gguf(exact.bfloat16(), scales, GGUFOptions(amx_min_rows=0, int8_activations=True))
     amx = quantize_gguf(exact.bfloat16(), scales, GGUFOptions(amx_min_rows=1))
     gen = torch.Generator().manual_seed(1)
     for m in (1, 2, 3, 4, 5, 9, 33):
@@ -40,6 +41,8 @@ def test_products_match_float64_with_gguf_weights(kind):
         ref = x.double() @ exact.double().T
         # exact products summed in fp32, then one bf16 rounding: a few bf16 ulps of the largest output
         assert _relative_error(w.linear(x, None), ref) < 1e-2, m
+        if KERNELS.int8_activations_available():  # x rounded to int8 per 32 inputs: ~1/254 of each block's max
+            assert _relative_error(int8.linear(x, None), ref) < 3e-2, m
         if KERNELS.amx_available():  # 32-row panels of bf16 weights on AMX tiles
             assert _relative_error(amx.linear(x, None), ref) < 1e-2, m
     bias = torch.randn(exact.shape[0]).bfloat16()
