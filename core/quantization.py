@@ -31,6 +31,8 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import torch
 from pydantic import BaseModel
 
+from paged.core.loading import gguf_blocks
+
 # model.quantization values with a built-in meaning (the rest name registered methods)
 NONE = "none"
 AUTO = "auto"
@@ -69,7 +71,9 @@ class BlockScales:
 
     @property
     def bits(self) -> int:
-        return {"q2_k": 2, "q3_k": 3, "q5_0": 5, "q5_1": 5, "q5_k": 5, "q6_k": 6, "q8_0": 8}.get(self.kind, 4)
+        """The code width of ``kind`` (``gguf_blocks.TYPES``; 4 for a kind it does not list)."""
+        t = gguf_blocks.TYPES.get(self.kind)
+        return t.bits if t is not None else 4
 
     @property
     def code_range(self) -> tuple[int, int]:
