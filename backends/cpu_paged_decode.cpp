@@ -54,6 +54,13 @@ inline float exp_nonpositive(float x) {
   return p * two_k;
 }
 
+// tanh(x) through exp_nonpositive (so that a tile's soft-capping vectorizes, as std::tanh does
+// not): sign(x) * (1 - e) / (1 + e) with e = exp(-2|x|); absolute error ~2e-7.
+inline float tanh_vec(float x) {
+  const float e = exp_nonpositive(-2.0f * std::fabs(x));
+  return std::copysign((1.0f - e) / (1.0f + e), x);
+}
+
 // acc[0 : NV*16] = alpha * acc + sum_t p[t] * V_row_t, NV vectors kept in registers while the
 // tile's rows stream by: NV independent FMA chains (one chain would wait on its own latency).
 template <int NV>
@@ -67,10 +74,12 @@ inline void accumulate_rows(float* acc, float alpha, const float* p, const float
 
 // HEAD_DIM > 0: the head dim as a compile-time constant (64, 128), so that the loops over it are
 // unrolled and their accumulators stay in registers; 0: any head dim, read at run time.
+// window > 0: request b attends over its last `window` positions only (those before are never
+// read: their blocks may have been freed); soft_cap > 0: scores become cap * tanh(scores / cap).
 template <typename T, int64_t HEAD_DIM>
 void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
-                       const at::Tensor& out) {
+                       const at::Tensor& out, int64_t window, double soft_cap) {
   constexpr bool is_fp32 = std::is_same<T, float>::value;
   const int64_t B = q.size(0), H = q.size(1), D = HEAD_DIM > 0 ? HEAD_DIM : q.size(2);
   const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2), G = H / Hkv;
@@ -85,6 +94,8 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   const int64_t q_s0 = q.stride(0), q_s1 = q.stride(1), o_s0 = out.stride(0), o_s1 = out.stride(1);
   const int64_t bt_s0 = block_table.stride(0);
   const float fscale = static_cast<float>(scale);
+  const bool capped = soft_cap > 0.0;
+  const float cap = static_cast<float>(soft_cap), inv_cap = capped ? 1.0f / cap : 0.f;
   // Work items: whole requests when there are enough of them, so that a tile's K/V rows of every
   // KV head are read together (a block is then one contiguous run, which the hardware
   // prefetchers follow), else (request, KV head) pairs so that a small batch still keeps every
@@ -122,9 +133,11 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.f);
-      const int64_t tiles_per_split = ((len + TILE - 1) / TILE + splits - 1) / splits;
-      const int64_t first = std::min(len, split * tiles_per_split * TILE);
-      const int64_t last = std::min(len, (split + 1) * tiles_per_split * TILE);
+      // the positions attended: lo .. len - 1 (all of them without a window)
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0, span = len - lo;
+      const int64_t tiles_per_split = ((span + TILE - 1) / TILE + splits - 1) / splits;
+      const int64_t first = lo + std::min(span, split * tiles_per_split * TILE);
+      const int64_t last = lo + std::min(span, (split + 1) * tiles_per_split * TILE);
       for (int64_t start = first; start < last; start += TILE) {
         const int64_t n = std::min(TILE, last - start);
         for (int64_t t = 0; t < n; ++t) {  // cache row of each position, through the block table
@@ -170,6 +183,14 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
             for (int64_t d = DV; d < D; ++d) dot += qi[d] * k[d];
             s[t] = dot;
             tile_max = std::max(tile_max, dot);
+          }
+          if (capped) {  // soft-capping is monotonic, but the max must be of the capped scores
+            tile_max = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : tile_max)
+            for (int64_t t = 0; t < n; ++t) {
+              s[t] = cap * tanh_vec(s[t] * inv_cap);
+              tile_max = std::max(tile_max, s[t]);
+            }
           }
           // online softmax: new running max, weights, rescale of what was accumulated so far
           const float m_new = std::max(m[i], tile_max);
@@ -236,7 +257,8 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
 
 void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
-                  const at::Tensor& out) {
+                  const at::Tensor& out, int64_t window, double soft_cap) {
+  TORCH_CHECK(window >= 0 && soft_cap >= 0.0, "paged_decode: window and soft_cap must be >= 0 (0: none)");
   for (const at::Tensor* t : {&q, &k_cache, &v_cache, &block_table, &seq_lens, &out})
     TORCH_CHECK(t->device().is_cpu(), "paged_decode: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "paged_decode: q [B, H, D], caches [blocks, block_size, Hkv, D]");
@@ -255,9 +277,9 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
               "paged_decode: seq_lens [>= B] int32");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_decode", [&] {
     switch (q.size(2)) {
-      case 64: return paged_decode_impl<scalar_t, 64>(q, k_cache, v_cache, block_table, seq_lens, scale, out);
-      case 128: return paged_decode_impl<scalar_t, 128>(q, k_cache, v_cache, block_table, seq_lens, scale, out);
-      default: return paged_decode_impl<scalar_t, 0>(q, k_cache, v_cache, block_table, seq_lens, scale, out);
+      case 64: return paged_decode_impl<scalar_t, 64>(q, k_cache, v_cache, block_table, seq_lens, scale, out, window, soft_cap);
+      case 128: return paged_decode_impl<scalar_t, 128>(q, k_cache, v_cache, block_table, seq_lens, scale, out, window, soft_cap);
+      default: return paged_decode_impl<scalar_t, 0>(q, k_cache, v_cache, block_table, seq_lens, scale, out, window, soft_cap);
     }
   });
 }
@@ -305,10 +327,11 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
 // A step of decodes only, one call per layer: the new K/V rows into the caches, then attention.
 at::Tensor write_and_decode(const at::Tensor& q, const at::Tensor& key, const at::Tensor& value,
                             const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping,
-                            const at::Tensor& block_table, const at::Tensor& seq_lens, double scale) {
+                            const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
+                            int64_t window, double soft_cap) {
   write_kv(key, value, k_cache, v_cache, slot_mapping);
   at::Tensor out = at::empty(q.sizes(), q.options());
-  paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale, out);
+  paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale, out, window, soft_cap);
   return out;
 }
 
@@ -316,14 +339,18 @@ at::Tensor write_and_decode(const at::Tensor& q, const at::Tensor& key, const at
 
 TORCH_LIBRARY(paged_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
-        "float scale, Tensor(a!) out) -> ()", &paged_decode);
+        "float scale, Tensor(a!) out, int window=0, float soft_cap=0.) -> ()", &paged_decode);
 }
 
 namespace py = pybind11;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {  // the same kernels, called from eager code without the dispatcher;
   // the GIL is released while they run, as torch's own ops do
-  m.def("paged_decode", &paged_decode, py::call_guard<py::gil_scoped_release>());
+  m.def("paged_decode", &paged_decode, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
+        py::arg("seq_lens"), py::arg("scale"), py::arg("out"), py::arg("window") = 0, py::arg("soft_cap") = 0.0,
+        py::call_guard<py::gil_scoped_release>());
   m.def("write_kv", &write_kv, py::call_guard<py::gil_scoped_release>());
-  m.def("write_and_decode", &write_and_decode, py::call_guard<py::gil_scoped_release>());
+  m.def("write_and_decode", &write_and_decode, py::arg("q"), py::arg("key"), py::arg("value"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("slot_mapping"), py::arg("block_table"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("window") = 0, py::arg("soft_cap") = 0.0, py::call_guard<py::gil_scoped_release>());
 }

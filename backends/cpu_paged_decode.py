@@ -6,13 +6,16 @@ Why: the torch backend's decode path gathers every request's K/V blocks into a c
 context before reading it again; on a 2-core CPU that gather is as expensive as the attention
 itself. This kernel reads the K/V rows straight from the paged cache through the block table.
 
-``paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale, out)``, one query token per
-request (``b`` in ``0..B-1``)::
+``paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale, out, window=0, soft_cap=0.)``,
+one query token per request (``b`` in ``0..B-1``)::
 
     q, out       [B, H, D]       the cache's dtype; any strides with a contiguous last dim
     k/v_cache    [num_blocks, block_size, Hkv, D] contiguous; float32, bfloat16 or float16
     block_table  [B, >= cdiv(seq_lens[b], block_size)] int32 (rows may be strided)
     seq_lens     [B] int32, >= 1: request b attends over its positions 0 .. seq_lens[b] - 1
+    window       > 0: only over its last ``window`` positions (``seq_lens[b] - window ..``; the
+                 earlier ones are never read, their block-table entries may be placeholders)
+    soft_cap     > 0: each scaled score ``s`` becomes ``soft_cap * tanh(s / soft_cap)``
 
 Design. Work items are whole requests (or, when there are fewer than 2 per thread, (request, KV
 head) pairs, so that batch 1 still uses every core), handed to the threads dynamically (contexts
@@ -87,5 +90,6 @@ def kernels() -> ModuleType | None:
     of ~1.7): ``paged_decode(...)`` as above, ``write_kv(key, value, k_cache, v_cache,
     slot_mapping)`` (each token's K/V rows into the caches at its slot) and
     ``write_and_decode(q, key, value, k_cache, v_cache, slot_mapping, block_table, seq_lens,
-    scale) -> out`` (both, for a step of decodes only). ``None`` where ``load`` fails."""
+    scale, window=0, soft_cap=0.) -> out`` (both, for a step of decodes only). ``None`` where
+    ``load`` fails."""
     return _loaded.get("module") if load() is not None else None

@@ -13,12 +13,20 @@ FlashInfer reads a paged KV cache described in CSR form, per request ``b``:
 Our cache is exactly FlashInfer's "NHD" layout given as a ``(k_cache, v_cache)`` tuple of
 ``[num_pages, page_size, num_kv_heads, head_dim]`` tensors, so nothing is copied.
 
-Per step, ``build_metadata`` computes these arrays (decode part: requests ``[0, num_decodes)``;
-prefill part: the rest) and calls ``plan`` once on a ``BatchDecodeWithPagedKVCacheWrapper`` and a
-``BatchPrefillWithPagedKVCacheWrapper`` (``causal=True``: FlashInfer aligns the causal mask
-bottom-right when the query is shorter than the KV, i.e. full attention over the cached prefix).
-Each layer's ``forward`` writes the new K/V at ``slot_mapping`` (``index_copy_``, like the torch
-backend) and calls ``run`` on each wrapper for its slice of the queries.
+Per step and distinct layer setting (``AttentionSettings``: most models have one, Gemma-style
+local/global models two), the first layer of the step with that setting computes these arrays
+(decode part: requests ``[0, num_decodes)``; prefill part: the rest) and calls ``plan`` once on
+that setting's ``BatchDecodeWithPagedKVCacheWrapper`` and ``BatchPrefillWithPagedKVCacheWrapper``
+(``causal=True``: FlashInfer aligns the causal mask bottom-right when the query is shorter than
+the KV, i.e. full attention over the cached prefix); the plan carries the layer's ``sm_scale``,
+``window_left`` (FlashInfer's window excludes the query's own position: ``sliding_window - 1``)
+and ``logits_soft_cap`` (``plan_options``). Each setting has its own wrappers and workspace (a
+wrapper keeps its plan in its workspace). With a window, each request's page list leaves out the
+leading pages no query of the step can see (``skip_pages``): the KV manager may have freed them,
+and FlashInfer, like every backend, must not read them; dropping whole leading pages keeps the
+bottom-right alignment exact. Each layer's ``forward`` writes the new K/V at ``slot_mapping``
+(``index_copy_``, like the torch backend) and calls ``run`` on each wrapper for its slice of the
+queries.
 
 The CSR arithmetic is plain tensor code (``decode_plan_arrays``, ``prefill_plan_arrays``,
 ``gather_kv_indices``), tested on the CPU; the ``plan``/``run`` calls need a CUDA GPU.
@@ -27,21 +35,33 @@ flashinfer/decode.py and flashinfer/prefill.py of flashinfer-ai/flashinfer):
 
 - ``BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=...)``;
   ``.plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
-  q_data_type=, kv_data_type=, sm_scale=)``; ``.run(q, (k_cache, v_cache), out=)``
+  q_data_type=, kv_data_type=, sm_scale=, window_left=, logits_soft_cap=)``;
+  ``.run(q, (k_cache, v_cache), out=)``
 - ``BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")``; ``.plan(qo_indptr, paged_kv_indptr,
   paged_kv_indices, paged_kv_last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
-  causal=True, sm_scale=, q_data_type=, kv_data_type=)``; ``.run(q, (k_cache, v_cache), out=)``
+  causal=True, sm_scale=, window_left=, logits_soft_cap=, q_data_type=, kv_data_type=)``;
+  ``.run(q, (k_cache, v_cache), out=)``
 """
 
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from paged.core.attention import AttentionLayout, BatchInputs, default_allocate_kv_cache, write_kv_by_slot
+from paged.core.attention import (
+    DEFAULT_SETTINGS,
+    FEATURES,
+    AttentionLayout,
+    AttentionSettings,
+    BatchInputs,
+    default_allocate_kv_cache,
+    write_kv_by_slot,
+)
 
 INSTALL_HINT = "flashinfer-python is not installed: pip install 'paged[flashinfer]'"
 
@@ -88,19 +108,24 @@ class PagedKVArrays:
         return len(self.kv_last_page_len)
 
 
-def paged_kv_arrays(seq_lens, rows, page_size: int, table_width: int) -> PagedKVArrays:
-    """CSR arrays of requests ``rows`` (block-table rows) with ``seq_lens`` tokens in context."""
+def paged_kv_arrays(seq_lens, rows, page_size: int, table_width: int, skip_pages=None) -> PagedKVArrays:
+    """CSR arrays of requests ``rows`` (block-table rows) with ``seq_lens`` tokens in context;
+    ``skip_pages`` (per request, optional): leading pages left out (the request's KV then starts
+    at position ``skip * page_size``)."""
     seq = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
     rows = np.asarray(rows, dtype=np.int64).reshape(-1)
     assert len(seq) == len(rows) and (seq > 0).all(), "every request has at least one token in context"
-    pages = (seq + page_size - 1) // page_size
-    assert (pages <= table_width).all(), "block table narrower than a request's context"
+    total = (seq + page_size - 1) // page_size
+    assert (total <= table_width).all(), "block table narrower than a request's context"
+    skip = np.zeros_like(seq) if skip_pages is None else np.asarray(skip_pages, dtype=np.int64).reshape(-1)
+    assert ((skip >= 0) & (skip < total)).all(), "a request keeps at least its last page"
+    pages = total - skip
     indptr = np.zeros(len(seq) + 1, dtype=np.int64)
     np.cumsum(pages, out=indptr[1:])
-    # column c of row r for c < pages[r]: flat index r * width + c
-    cols = np.arange(int(indptr[-1]), dtype=np.int64) - np.repeat(indptr[:-1], pages)
+    # column skip[r] + c of row r for c < pages[r]: flat index r * width + skip[r] + c
+    cols = np.arange(int(indptr[-1]), dtype=np.int64) - np.repeat(indptr[:-1], pages) + np.repeat(skip, pages)
     pos = np.repeat(rows, pages) * table_width + cols
-    last = seq - (pages - 1) * page_size
+    last = seq - (total - 1) * page_size
     return PagedKVArrays(
         kv_indptr=torch.from_numpy(indptr.astype(np.int32)),
         kv_page_pos=torch.from_numpy(pos),
@@ -108,24 +133,72 @@ def paged_kv_arrays(seq_lens, rows, page_size: int, table_width: int) -> PagedKV
     )
 
 
-def decode_plan_arrays(batch: BatchInputs, page_size: int) -> PagedKVArrays | None:
+def skip_pages(seq_lens: np.ndarray, query_lens: np.ndarray, page_size: int, window: int | None) -> np.ndarray | None:
+    """Leading pages of each request that no query of the step sees: its first query, at position
+    ``seq_len - q_len``, sees keys from ``first - window + 1`` on. None without a window."""
+    if window is None:
+        return None
+    return np.maximum(seq_lens - query_lens - window + 1, 0) // page_size
+
+
+def decode_plan_arrays(batch: BatchInputs, page_size: int, window: int | None = None) -> PagedKVArrays | None:
     """The decodes: requests ``[0, num_decodes)``; None when there are none."""
     nd = batch.num_decodes
     if nd == 0:
         return None
-    return paged_kv_arrays(batch.seq_lens_cpu[:nd].numpy(), np.arange(nd), page_size, batch.block_table.shape[1])
+    seq = batch.seq_lens_cpu[:nd].numpy().astype(np.int64)
+    return paged_kv_arrays(seq, np.arange(nd), page_size, batch.block_table.shape[1],
+                           skip_pages(seq, np.ones_like(seq), page_size, window))
 
 
-def prefill_plan_arrays(batch: BatchInputs, page_size: int) -> PagedKVArrays | None:
+def prefill_plan_arrays(batch: BatchInputs, page_size: int, window: int | None = None) -> PagedKVArrays | None:
     """The prefill chunks: requests ``[num_decodes, num_reqs)``, with ``qo_indptr`` rebased so that
     it indexes the prefill queries ``query[query_start_loc[num_decodes]:]``; None when none."""
     nd, nr = batch.num_decodes, batch.num_reqs
     if nr == nd:
         return None
-    arrays = paged_kv_arrays(batch.seq_lens_cpu[nd:nr].numpy(), np.arange(nd, nr), page_size, batch.block_table.shape[1])
+    seq = batch.seq_lens_cpu[nd:nr].numpy().astype(np.int64)
     qsl = batch.query_start_loc_cpu[nd : nr + 1].to(torch.int64)
+    q_lens = (qsl[1:] - qsl[:-1]).numpy()
+    arrays = paged_kv_arrays(seq, np.arange(nd, nr), page_size, batch.block_table.shape[1],
+                             skip_pages(seq, q_lens, page_size, window))
     arrays.qo_indptr = (qsl - qsl[0]).to(torch.int32)
     return arrays
+
+
+def plan_options(layout: AttentionLayout, settings: AttentionSettings) -> dict[str, Any]:
+    """The ``plan`` keywords of a layer's settings: ``sm_scale``; ``window_left`` (FlashInfer's
+    window counts the keys left of the query, ours includes the query: ``W - 1``; -1 = none);
+    ``logits_soft_cap`` (None = none)."""
+    window = settings.sliding_window
+    return {
+        "sm_scale": settings.softmax_scale(layout.head_dim),
+        "window_left": -1 if window is None else window - 1,
+        "logits_soft_cap": settings.logits_soft_cap,
+    }
+
+
+def plan_step(layout: AttentionLayout, batch: BatchInputs, settings: AttentionSettings, decode_wrapper,
+              prefill_wrapper) -> tuple[PagedKVArrays | None, PagedKVArrays | None]:
+    """Plan one step's decode and prefill parts on the two wrappers for layers with ``settings``;
+    returns their arrays (None for an empty part)."""
+    page = layout.block_size
+    decode = decode_plan_arrays(batch, page, settings.sliding_window)
+    prefill = prefill_plan_arrays(batch, page, settings.sliding_window)
+    common = (layout.num_heads, layout.num_kv_heads, layout.head_dim, page)
+    options = plan_options(layout, settings)
+    if decode is not None:
+        decode_wrapper.plan(
+            decode.kv_indptr, gather_kv_indices(batch.block_table, decode), decode.kv_last_page_len, *common,
+            q_data_type=layout.dtype, kv_data_type=layout.dtype, **options,
+        )
+    if prefill is not None:
+        prefill_wrapper.plan(
+            prefill.qo_indptr, prefill.kv_indptr, gather_kv_indices(batch.block_table, prefill),
+            prefill.kv_last_page_len, *common,
+            causal=True, q_data_type=layout.dtype, kv_data_type=layout.dtype, **options,
+        )
+    return decode, prefill
 
 
 def gather_kv_indices(block_table: torch.Tensor, arrays: PagedKVArrays) -> torch.Tensor:
@@ -142,12 +215,14 @@ class FlashInferMetadata:
     num_tokens: int
     num_decode_tokens: int  # = num_decodes: the first queries go to the decode wrapper
     slot_mapping: torch.Tensor  # [num_tokens] int64
-    decode: PagedKVArrays | None
-    prefill: PagedKVArrays | None
+    batch: BatchInputs  # what each setting's plan is made from, on the first layer that needs it
+    # per layer setting: (decode arrays, prefill arrays), planned on that setting's wrappers this step
+    planned: dict[AttentionSettings, tuple[PagedKVArrays | None, PagedKVArrays | None]] = field(default_factory=dict)
 
 
 class FlashInferAttentionBackend:
     name = "flashinfer"
+    layer_features = FEATURES  # sliding window (window_left), logit soft-cap, per-layer scale
 
     def __init__(self, layout: AttentionLayout, options: FlashInferOptions | None = None) -> None:
         device = torch.device(layout.device)
@@ -171,37 +246,36 @@ class FlashInferAttentionBackend:
         if tensor_cores is None:
             tensor_cores = group > 4
         self._workspace = torch.zeros(self.options.workspace_mib * 2**20, dtype=torch.uint8, device=device)
+        self._flashinfer = flashinfer
+        self._tensor_cores = tensor_cores
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self._workspace, "NHD", use_tensor_cores=tensor_cores
         )
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+        # each distinct layer setting plans its own wrappers (a plan lives in its workspace)
+        self._wrappers: dict[AttentionSettings, tuple[Any, Any]] = {DEFAULT_SETTINGS: (self._decode, self._prefill)}
+
+    def _wrappers_for(self, settings: AttentionSettings) -> tuple[Any, Any]:
+        wrappers = self._wrappers.get(settings)
+        if wrappers is None:  # a second setting (a local/global model): its own workspace
+            workspace = torch.zeros_like(self._workspace)
+            wrappers = self._wrappers[settings] = (
+                self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    workspace, "NHD", use_tensor_cores=self._tensor_cores),
+                self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD"),
+            )
+        return wrappers
 
     def allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return default_allocate_kv_cache(self.layout, num_blocks)
 
     def build_metadata(self, batch: BatchInputs) -> FlashInferMetadata:
-        layout = self.layout
-        page = layout.block_size
-        decode = decode_plan_arrays(batch, page)
-        prefill = prefill_plan_arrays(batch, page)
-        common = (layout.num_heads, layout.num_kv_heads, layout.head_dim, page)
-        if decode is not None:
-            self._decode.plan(
-                decode.kv_indptr, gather_kv_indices(batch.block_table, decode), decode.kv_last_page_len, *common,
-                q_data_type=layout.dtype, kv_data_type=layout.dtype, sm_scale=layout.scale,
-            )
-        if prefill is not None:
-            self._prefill.plan(
-                prefill.qo_indptr, prefill.kv_indptr, gather_kv_indices(batch.block_table, prefill),
-                prefill.kv_last_page_len, *common,
-                causal=True, sm_scale=layout.scale, q_data_type=layout.dtype, kv_data_type=layout.dtype,
-            )
+        """The step's arrays; each layer setting is planned by its first layer (``forward``)."""
         return FlashInferMetadata(
             num_tokens=batch.num_tokens,
             num_decode_tokens=batch.num_decodes,
             slot_mapping=batch.slot_mapping.long(),
-            decode=decode,
-            prefill=prefill,
+            batch=batch,
         )
 
     def forward(
@@ -211,15 +285,22 @@ class FlashInferAttentionBackend:
         value: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         metadata: FlashInferMetadata,
+        settings: AttentionSettings = DEFAULT_SETTINGS,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
+        decode_wrapper, prefill_wrapper = self._wrappers_for(settings)
+        planned = metadata.planned.get(settings)
+        if planned is None:  # the step's first layer with this setting
+            planned = metadata.planned[settings] = plan_step(
+                self.layout, metadata.batch, settings, decode_wrapper, prefill_wrapper)
+        decode, prefill = planned
         write_kv_by_slot(key, value, kv_cache, metadata.slot_mapping)
         q = query.to(k_cache.dtype)
         out = torch.empty(q.shape, dtype=k_cache.dtype, device=q.device)
         nd = metadata.num_decode_tokens
-        if metadata.decode is not None:
-            self._decode.run(q[:nd].contiguous(), (k_cache, v_cache), out=out[:nd])
-        if metadata.prefill is not None:
-            self._prefill.run(q[nd:].contiguous(), (k_cache, v_cache), out=out[nd:])
+        if decode is not None:
+            decode_wrapper.run(q[:nd].contiguous(), (k_cache, v_cache), out=out[:nd])
+        if prefill is not None:
+            prefill_wrapper.run(q[nd:].contiguous(), (k_cache, v_cache), out=out[nd:])
         return out if out.dtype == query.dtype else out.to(query.dtype)
 

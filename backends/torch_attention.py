@@ -28,9 +28,20 @@ by every layer); each layer's ``forward`` then
      ``<= seq_len - q_len + t``: a bottom-right causal mask. SDPA's ``is_causal`` is top-left
      aligned and is used only when there is no cached prefix (``q_len == seq_len``).
 
+Per-layer settings (``paged.core.attention.AttentionSettings``, all honoured): the scale is the
+layer's (default ``head_dim ** -0.5``); a sliding window ``W`` restricts every query at position
+``p`` to keys ``p - W < j <= p``: the fused kernel starts each request at ``seq_len - W``, the
+decode gather zeroes and masks the rows before it, and a prefill chunk gathers only the
+positions its queries can see (from ``first query - W + 1``) with a banded mask, so positions out
+of the window (whose blocks the KV manager may have freed) are never read. Logit soft-capping
+(``cap * tanh(s / cap)``) is in the fused kernel; elsewhere SDPA cannot do it and the layer runs
+an explicit fp32 ``softmax(cap * tanh(q k^T * scale / cap)) v`` instead. Window-dependent plans
+(gather rows, masks) are built lazily, once per step and distinct window, and shared by the
+layers that have that window.
+
 Invariants: caches are contiguous ``[num_blocks, block_size, num_kv_heads, head_dim]`` (as
 ``default_allocate_kv_cache`` makes them); ``num_heads`` is a multiple of ``num_kv_heads``
-(query head ``h`` uses KV head ``h // (num_heads // num_kv_heads)``); scale ``head_dim ** -0.5``.
+(query head ``h`` uses KV head ``h // (num_heads // num_kv_heads)``).
 Attention runs in the cache dtype (the fused kernel reads it and accumulates in fp32); the output
 has the query's dtype.
 """
@@ -45,7 +56,15 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
 from paged.backends import cpu_paged_decode
-from paged.core.attention import AttentionLayout, BatchInputs, default_allocate_kv_cache, write_kv_by_slot
+from paged.core.attention import (
+    DEFAULT_SETTINGS,
+    FEATURES,
+    AttentionLayout,
+    AttentionSettings,
+    BatchInputs,
+    default_allocate_kv_cache,
+    write_kv_by_slot,
+)
 from paged.core.utils import ScratchBuffers, cdiv
 
 
@@ -93,6 +112,27 @@ class PrefillChunk:
 
 
 @dataclass
+class PrefillPlan:
+    """The prefill chunks of one step for one sliding window (None: full attention)."""
+
+    chunks: list[PrefillChunk]
+    slots: torch.Tensor  # [sum of the chunks' context lengths] int64, in chunk order
+
+
+@dataclass
+class _StepShape:
+    """What a window's plans are built from, kept from ``build_metadata`` (CPU lists, no sync)."""
+
+    block_table: torch.Tensor  # [num_reqs, max_blocks] int32, on the device
+    seq_lens: list[int]
+    query_start_loc: list[int]
+    seq_lens_cpu: torch.Tensor
+    num_decodes: int
+    num_reqs: int
+    block_size: int
+
+
+@dataclass
 class TorchAttentionMetadata:
     num_tokens: int
     slot_mapping: torch.Tensor  # [num_tokens] int64
@@ -100,6 +140,91 @@ class TorchAttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
     prefill_slots: torch.Tensor | None = None  # [sum of prefill seq_lens] int64, in chunk order
     fused_decode_only: bool = False  # decodes only, through the C++ kernel (cpu_paged_decode)
+    shape: _StepShape | None = None
+    # per sliding window (a windowed layer's first call of the step builds them): the gather
+    # decode's rows and mask, the prefill chunks (window None: the full-attention plan above)
+    windowed_decodes: dict[int, DecodeMetadata] = field(default_factory=dict)
+    windowed_prefills: dict[int | None, PrefillPlan] = field(default_factory=dict)
+
+    def decode_for(self, window: int | None) -> DecodeMetadata | FusedDecodeMetadata | None:
+        if window is None or not isinstance(self.decode, DecodeMetadata):
+            return self.decode  # the fused kernel takes the window itself
+        plan = self.windowed_decodes.get(window)
+        if plan is None:
+            plan = self.windowed_decodes[window] = _gather_decode(self.shape, window)
+        return plan
+
+    def prefill_for(self, window: int | None) -> PrefillPlan | None:
+        if not self.prefills:
+            return None
+        plan = self.windowed_prefills.get(window)
+        if plan is None:
+            plan = self.windowed_prefills[window] = _prefill_plan(self.shape, window)
+        return plan
+
+
+def _gather_decode(shape: _StepShape, window: int | None) -> DecodeMetadata:
+    """Gather plan of the decodes: whole blocks ``block_table[:B, :num_blocks]``; rows at or past
+    ``seq_len`` (and, with a window, before ``seq_len - window``) are zeroed and masked."""
+    num_decodes, device = shape.num_decodes, shape.block_table.device
+    num_blocks = cdiv(max(shape.seq_lens[:num_decodes]), shape.block_size)
+    max_len = num_blocks * shape.block_size
+    block_ids = shape.block_table[:num_decodes, :num_blocks].reshape(-1).long()
+    lens = shape.seq_lens_cpu[:num_decodes, None]
+    pos = torch.arange(max_len)
+    is_pad = pos >= lens
+    if window is not None:
+        is_pad |= pos <= lens - 1 - window
+    pad_rows = attn_mask = None
+    if bool(is_pad.any()):  # padding found on the CPU copies: no device sync
+        pad_rows = is_pad.view(-1).nonzero().view(-1).to(device)
+        attn_mask = (~is_pad).view(num_decodes, 1, 1, max_len).to(device)
+    return DecodeMetadata(num_decodes, num_blocks, block_ids, pad_rows, attn_mask)
+
+
+def _prefill_plan(shape: _StepShape, window: int | None) -> PrefillPlan:
+    """Each prefill chunk's context: the positions its queries may see, ``lo .. seq_len - 1``
+    with ``lo = 0`` (full attention) or ``first query - window + 1``; the mask is bottom-right
+    causal, banded by the window."""
+    device, block_size = shape.block_table.device, shape.block_size
+    chunks: list[PrefillChunk] = []
+    slots: list[torch.Tensor] = []
+    context_start = 0
+    for i in range(shape.num_decodes, shape.num_reqs):
+        q_start, q_end, seq_len = shape.query_start_loc[i], shape.query_start_loc[i + 1], shape.seq_lens[i]
+        q_len = q_end - q_start
+        first = seq_len - q_len  # the first query's position
+        lo = 0 if window is None else max(0, first - window + 1)
+        positions = torch.arange(lo, seq_len, device=device)
+        slots.append(shape.block_table[i, positions // block_size].long() * block_size + positions % block_size)
+        banded = window is not None and window < seq_len - lo  # some query would see a key out of its window
+        attn_mask = None
+        if banded or 1 < q_len < seq_len - lo:  # a cached prefix (bottom-right causal) or a band
+            query_pos = torch.arange(first, seq_len, device=device)
+            attn_mask = positions[None, :] <= query_pos[:, None]
+            if banded:
+                attn_mask &= positions[None, :] > query_pos[:, None] - window
+        is_causal = attn_mask is None and q_len == seq_len - lo > 1
+        chunks.append(PrefillChunk(q_start, q_end, context_start, context_start + seq_len - lo, attn_mask, is_causal))
+        context_start += seq_len - lo
+    return PrefillPlan(chunks, torch.cat(slots))
+
+
+def soft_capped_attention(q, k, v, allowed, scale: float, cap: float) -> torch.Tensor:
+    """``softmax(cap * tanh(q k^T * scale / cap)) v`` in fp32 (SDPA has no soft-cap):
+    ``q`` [B, Q, H, D], ``k``/``v`` [B, L, Hkv, D], ``allowed`` [B, Q, L] bool (True = attend)
+    or None (full); returns fp32 [B, Q, H, D]."""
+    b, q_len, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    group = num_heads // num_kv_heads
+    qf = q.float().reshape(b, q_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, Q, D]
+    kf = k.float().permute(0, 2, 1, 3).unsqueeze(2)  # [B, Hkv, 1, L, D]
+    vf = v.float().permute(0, 2, 1, 3).unsqueeze(2)
+    scores = torch.tanh(torch.matmul(qf, kf.transpose(-1, -2)) * (scale / cap)) * cap  # [B, Hkv, G, Q, L]
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    o = torch.matmul(torch.softmax(scores, dim=-1), vf)  # [B, Hkv, G, Q, D]
+    return o.permute(0, 3, 1, 2, 4).reshape(b, q_len, num_heads, head_dim)
 
 
 class TorchAttentionBackend:
@@ -107,6 +232,7 @@ class TorchAttentionBackend:
     decodes through the fused kernel."""
 
     name = "torch"
+    layer_features = FEATURES  # sliding window, logit soft-cap, per-layer scale
 
     def __init__(self, layout: AttentionLayout, options: TorchAttentionOptions | None = None) -> None:
         if layout.num_heads % layout.num_kv_heads:
@@ -128,52 +254,30 @@ class TorchAttentionBackend:
     # ---- once per step -------------------------------------------------------------------------
 
     def build_metadata(self, batch: BatchInputs) -> TorchAttentionMetadata:
-        device = batch.block_table.device
         block_size = self.layout.block_size
         seq_lens = batch.seq_lens_cpu.tolist()
         query_start_loc = batch.query_start_loc_cpu.tolist()
         num_decodes = batch.num_decodes
 
         assert query_start_loc[num_decodes] == num_decodes, "decodes (query length 1) must come first"
+        shape = _StepShape(batch.block_table, seq_lens, query_start_loc, batch.seq_lens_cpu, num_decodes,
+                           batch.num_reqs, block_size)
         decode = None
         if num_decodes and self._kernel is not None:
             decode = FusedDecodeMetadata(num_decodes, batch.block_table[:num_decodes], batch.seq_lens[:num_decodes])
         elif num_decodes:
-            num_blocks = cdiv(max(seq_lens[:num_decodes]), block_size)
-            max_len = num_blocks * block_size
-            block_ids = batch.block_table[:num_decodes, :num_blocks].reshape(-1).long()
-            # padding found on the CPU copies: no device sync
-            is_pad = torch.arange(max_len) >= batch.seq_lens_cpu[:num_decodes, None]
-            pad_rows = attn_mask = None
-            if bool(is_pad.any()):
-                pad_rows = is_pad.view(-1).nonzero().view(-1).to(device)
-                attn_mask = (~is_pad).view(num_decodes, 1, 1, max_len).to(device)
-            decode = DecodeMetadata(num_decodes, num_blocks, block_ids, pad_rows, attn_mask)
-
-        prefills: list[PrefillChunk] = []
-        slots: list[torch.Tensor] = []
-        context_start = 0
-        for i in range(num_decodes, batch.num_reqs):
-            q_start, q_end, seq_len = query_start_loc[i], query_start_loc[i + 1], seq_lens[i]
-            q_len = q_end - q_start
-            positions = torch.arange(seq_len, device=device)
-            slots.append(batch.block_table[i, positions // block_size].long() * block_size + positions % block_size)
-            attn_mask = None
-            if 1 < q_len < seq_len:  # cached prefix: bottom-right causal
-                query_pos = torch.arange(seq_len - q_len, seq_len, device=device)
-                attn_mask = positions[None, :] <= query_pos[:, None]
-            prefills.append(
-                PrefillChunk(q_start, q_end, context_start, context_start + seq_len, attn_mask, q_len == seq_len > 1)
-            )
-            context_start += seq_len
+            decode = _gather_decode(shape, None)
+        plan = _prefill_plan(shape, None) if batch.num_reqs > num_decodes else None
 
         return TorchAttentionMetadata(
             num_tokens=batch.num_tokens,
             slot_mapping=batch.slot_mapping.long(),
             decode=decode,
-            prefills=prefills,
-            prefill_slots=torch.cat(slots) if slots else None,
-            fused_decode_only=isinstance(decode, FusedDecodeMetadata) and not prefills,
+            prefills=plan.chunks if plan else [],
+            prefill_slots=plan.slots if plan else None,
+            fused_decode_only=isinstance(decode, FusedDecodeMetadata) and plan is None,
+            shape=shape,
+            windowed_prefills={} if plan is None else {None: plan},
         )
 
     # ---- per layer -----------------------------------------------------------------------------
@@ -185,13 +289,16 @@ class TorchAttentionBackend:
         value: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         metadata: TorchAttentionMetadata,
+        settings: AttentionSettings = DEFAULT_SETTINGS,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
+        scale = self.layout.scale if settings.scale is None else settings.scale
+        window, cap = settings.sliding_window, settings.logits_soft_cap
         decode = metadata.decode
         if metadata.fused_decode_only and query.dtype == k_cache.dtype and query.stride(-1) == 1:
             # a step of decodes only (the steady state): KV write and attention in one C++ call
             return self._write_and_decode(query, key, value, k_cache, v_cache, metadata.slot_mapping,
-                                          decode.block_table, decode.seq_lens, self.layout.scale)
+                                          decode.block_table, decode.seq_lens, scale, window or 0, cap or 0.0)
         k_flat, v_flat = write_kv_by_slot(key, value, kv_cache, metadata.slot_mapping)
 
         q = query.to(k_cache.dtype)
@@ -199,14 +306,16 @@ class TorchAttentionBackend:
         if isinstance(decode, FusedDecodeMetadata):
             b = decode.num_decodes
             q_dec = q[:b] if q.stride(-1) == 1 else q[:b].contiguous()
-            self._kernel(q_dec, k_cache, v_cache, decode.block_table, decode.seq_lens, self.layout.scale, out[:b])
+            self._kernel(q_dec, k_cache, v_cache, decode.block_table, decode.seq_lens, scale, out[:b],
+                         window or 0, cap or 0.0)
         elif decode is not None:
-            self._decode(q, k_cache, v_cache, decode, out)
-        if metadata.prefills:
-            self._prefill(q, k_flat, v_flat, metadata, out)
+            self._decode(q, k_cache, v_cache, metadata.decode_for(window), out, scale, cap)
+        plan = metadata.prefill_for(window)
+        if plan is not None:
+            self._prefill(q, k_flat, v_flat, plan, out, scale, cap)
         return out.to(query.dtype)
 
-    def _decode(self, q, k_cache, v_cache, meta: DecodeMetadata, out) -> None:
+    def _decode(self, q, k_cache, v_cache, meta: DecodeMetadata, out, scale: float, cap: float | None) -> None:
         batch, num_blocks = meta.num_decodes, meta.num_blocks
         _, block_size, num_kv_heads, head_dim = k_cache.shape
         max_len = num_blocks * block_size
@@ -219,23 +328,41 @@ class TorchAttentionBackend:
             if meta.pad_rows is not None:
                 rows.index_fill_(0, meta.pad_rows, 0)
             kv.append(rows.view(batch, max_len, num_kv_heads, head_dim).transpose(1, 2))  # strided view
+        if cap is not None:
+            allowed = None if meta.attn_mask is None else meta.attn_mask.view(batch, 1, max_len)
+            o = soft_capped_attention(q[:batch].unsqueeze(1), kv[0].transpose(1, 2), kv[1].transpose(1, 2),
+                                      allowed, scale, cap)  # [B, 1, H, D]
+            out[:batch] = o.squeeze(1)
+            return
         o = F.scaled_dot_product_attention(
-            q[:batch].unsqueeze(2), kv[0], kv[1], attn_mask=meta.attn_mask, scale=self.layout.scale, enable_gqa=True
+            q[:batch].unsqueeze(2), kv[0], kv[1], attn_mask=meta.attn_mask, scale=scale, enable_gqa=True
         )  # [B, H, 1, D]
         out[:batch] = o.squeeze(2)
 
-    def _prefill(self, q, k_flat, v_flat, meta: TorchAttentionMetadata, out) -> None:
-        shape = (meta.prefill_slots.numel(), *k_flat.shape[1:])
-        k_ctx = torch.index_select(k_flat, 0, meta.prefill_slots, out=self._scratch("prefill_k", shape, k_flat))
-        v_ctx = torch.index_select(v_flat, 0, meta.prefill_slots, out=self._scratch("prefill_v", shape, v_flat))
-        for c in meta.prefills:
+    def _prefill(self, q, k_flat, v_flat, plan: PrefillPlan, out, scale: float, cap: float | None) -> None:
+        shape = (plan.slots.numel(), *k_flat.shape[1:])
+        k_ctx = torch.index_select(k_flat, 0, plan.slots, out=self._scratch("prefill_k", shape, k_flat))
+        v_ctx = torch.index_select(v_flat, 0, plan.slots, out=self._scratch("prefill_v", shape, v_flat))
+        for c in plan.chunks:
+            if cap is not None:
+                q_len, ctx_len = c.query_end - c.query_start, c.context_end - c.context_start
+                allowed = c.attn_mask
+                if allowed is None and c.is_causal:
+                    allowed = torch.ones(q_len, ctx_len, dtype=torch.bool, device=q.device).tril_()
+                o = soft_capped_attention(
+                    q[c.query_start : c.query_end].unsqueeze(0), k_ctx[c.context_start : c.context_end].unsqueeze(0),
+                    v_ctx[c.context_start : c.context_end].unsqueeze(0),
+                    None if allowed is None else allowed.unsqueeze(0), scale, cap,
+                )
+                out[c.query_start : c.query_end] = o[0]
+                continue
             o = F.scaled_dot_product_attention(
                 q[c.query_start : c.query_end].transpose(0, 1).unsqueeze(0),  # [1, H, q_len, D]
                 k_ctx[c.context_start : c.context_end].transpose(0, 1).unsqueeze(0),  # [1, Hkv, seq_len, D]
                 v_ctx[c.context_start : c.context_end].transpose(0, 1).unsqueeze(0),
                 attn_mask=c.attn_mask,
                 is_causal=c.is_causal,
-                scale=self.layout.scale,
+                scale=scale,
                 enable_gqa=True,
             )
             out[c.query_start : c.query_end] = o[0].transpose(0, 1)

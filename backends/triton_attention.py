@@ -22,8 +22,13 @@ an online softmax (running max ``m``, sum ``l``, accumulator, base-2 exponential
 ``scale * log2(e)`` folded in). The mask is bottom-right causal: query token ``t`` of a request
 with ``q_len`` new tokens and ``seq_len`` context sits at position ``seq_len - q_len + t`` and
 sees keys ``<= `` that position; the walk stops at the last key the tile's last query sees, so
-no key past ``seq_len`` is ever read. Head dims that are not a power of two (80) are padded to
-one (128) and masked on every load and store. Every load is masked (``other=0``), so stale or
+no key past ``seq_len`` is ever read. Per-layer settings (``AttentionSettings``): the layer's
+scale; a sliding window ``W`` (``WINDOWED``) starts the walk at the tile's first query position
+``- W + 1`` (so keys out of every query's window, whose blocks may be freed, are never read) and
+bands the mask (``k_pos > q_pos - W``); a logit soft-cap (``SOFT_CAP``) turns the scaled scores
+into ``cap * tanh(s / cap)`` (tanh from ``exp``: stable at both ends) before the softmax. Both are
+constexpr switches, so a layer without them runs the kernel it ran before. Head dims that are
+not a power of two (80) are padded to one (128) and masked on every load and store. Every load is masked (``other=0``), so stale or
 NaN cache rows, padding entries of the block table and padded rows never enter the sums.
 
 Decodes and prefill chunks go through the same kernel in two launches per layer (requests are
@@ -60,7 +65,14 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from paged.core.attention import AttentionLayout, BatchInputs, default_allocate_kv_cache
+from paged.core.attention import (
+    DEFAULT_SETTINGS,
+    FEATURES,
+    AttentionLayout,
+    AttentionSettings,
+    BatchInputs,
+    default_allocate_kv_cache,
+)
 from paged.core.utils import ScratchBuffers, cdiv
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -148,6 +160,7 @@ class TritonAttentionBackend:
     """Paged attention with Triton kernels (see the module docstring)."""
 
     name = "triton"
+    layer_features = FEATURES  # sliding window, logit soft-cap, per-layer scale
 
     def __init__(self, layout: AttentionLayout, options: TritonAttentionOptions | None = None) -> None:
         if layout.num_heads % layout.num_kv_heads:
@@ -239,6 +252,7 @@ class TritonAttentionBackend:
         value: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         metadata: TritonAttentionMetadata,
+        settings: AttentionSettings = DEFAULT_SETTINGS,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         out_dtype = query.dtype
@@ -248,7 +262,7 @@ class TritonAttentionBackend:
         query = query.to(k_cache.dtype)
         out = torch.empty(query.shape, dtype=k_cache.dtype, device=query.device)
         for launch in metadata.launches:
-            self._attend(query, k_cache, v_cache, out, metadata, launch)
+            self._attend(query, k_cache, v_cache, out, metadata, launch, settings)
         return out if out.dtype == out_dtype else out.to(out_dtype)
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
@@ -271,7 +285,8 @@ class TritonAttentionBackend:
             num_warps=4,
         )
 
-    def _attend(self, query, k_cache, v_cache, out, meta: TritonAttentionMetadata, launch: Launch) -> None:
+    def _attend(self, query, k_cache, v_cache, out, meta: TritonAttentionMetadata, launch: Launch,
+                settings: AttentionSettings) -> None:
         layout = self.layout
         num_heads, head_dim = layout.num_heads, layout.head_dim
         split = launch.num_splits > 1
@@ -290,7 +305,8 @@ class TritonAttentionBackend:
         self.kernels.paged_attention[(launch.num_tiles, layout.num_kv_heads, launch.num_splits)](
             query, k_cache, v_cache, dst, m_buf, l_buf,
             meta.block_table, meta.seq_lens, meta.query_start_loc, launch.tile_req, launch.tile_start,
-            layout.scale, launch.num_splits, launch.tok_lo if split else 0,
+            settings.softmax_scale(head_dim), settings.sliding_window or 0, float(settings.logits_soft_cap or 1.0),
+            launch.num_splits, launch.tok_lo if split else 0,
             query.stride(0), query.stride(1), query.stride(2),
             t_dst, h_dst, d_dst, s_dst,
             t_ml, h_ml, s_ml,
@@ -300,6 +316,7 @@ class TritonAttentionBackend:
             GROUP=self.group, GROUP_P=self.group_p, BLOCK_M=launch.block_m, BLOCK_Q=launch.block_q,
             BLOCK_N=self.options.block_n, HEAD_DIM=head_dim, HEAD_DIM_P=self.head_dim_p,
             BLOCK_SIZE=k_cache.shape[1], SPLIT=split, UPCAST=self.upcast, DOT_PRECISION=self.dot_precision,
+            WINDOWED=settings.sliding_window is not None, SOFT_CAP=settings.logits_soft_cap is not None,
             num_warps=self.options.num_warps,
         )
         if split:
@@ -365,7 +382,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
     def paged_attention(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr,
         block_table_ptr, seq_lens_ptr, query_start_ptr, tile_req_ptr, tile_start_ptr,
-        scale, num_splits, tok_offset,
+        scale, window, soft_cap, num_splits, tok_offset,
         stride_qt, stride_qh, stride_qd,
         stride_ot, stride_oh, stride_od, stride_os,
         stride_mt, stride_mh, stride_ms,
@@ -375,6 +392,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        WINDOWED: tl.constexpr, SOFT_CAP: tl.constexpr,
     ):
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -403,15 +421,19 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         if UPCAST:
             q = q.to(tl.float32)
 
-        # keys this tile needs: up to the last query's position; split across programs if asked
+        # keys this tile needs: up to the last query's position (from the first query's window
+        # start, with a window); split across programs if asked
         kv_end = context_len + tl.minimum(tile_start + BLOCK_Q, q_len)
+        kv_first = 0
+        if WINDOWED:
+            kv_first = tl.maximum(context_len + tile_start - window + 1, 0)
         if SPLIT:
-            steps = tl.cdiv(kv_end, BLOCK_N)
+            steps = tl.cdiv(kv_end - kv_first, BLOCK_N)
             per_split = tl.cdiv(steps, num_splits)
-            kv_lo = split * per_split * BLOCK_N
+            kv_lo = kv_first + split * per_split * BLOCK_N
             kv_hi = tl.minimum(kv_end, kv_lo + per_split * BLOCK_N)
         else:
-            kv_lo = 0
+            kv_lo = kv_first
             kv_hi = kv_end
 
         qk_scale = scale * 1.4426950408889634  # log2(e): exp2 below
@@ -439,8 +461,14 @@ def _kernels(interpret: bool) -> SimpleNamespace:
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            if SOFT_CAP:  # cap * tanh(s / cap) on the scaled scores, then the log2(e) of exp2
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (scale / soft_cap)
+                s = (1.0 - 2.0 / (tl.exp(2.0 * s) + 1.0)) * (soft_cap * 1.4426950408889634)
+            else:
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+            if WINDOWED:
+                visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)

@@ -144,6 +144,9 @@ class ServerConfig(_Section):
     max_n: int = Field(128, gt=0, description="most samples (n) per prompt")
     max_samples_per_request: int = Field(256, gt=0, description="most n x prompts in one request")
     max_stop: int = Field(16, gt=0, description="most stop strings, and most stop_token_ids, per request")
+    max_stored_responses: int = Field(
+        1000, ge=0, description="/v1/responses kept in memory for previous_response_id and GET (newest first)"
+    )
     chat_default_max_tokens: int | None = Field(
         None, gt=0, description="chat max_tokens when a request sets none (default: up to max_model_len)"
     )
@@ -233,7 +236,7 @@ class EngineConfig(BaseSettings):
 
 # PAGED_* variables read elsewhere than the config (anything else PAGED_* should be a setting)
 OTHER_ENV_VARS = ("PAGED_PLUGINS", "PAGED_DISABLE_PLUGINS", "PAGED_CACHE_DIR", "PAGED_REQUIRE_MODEL",
-                  "PAGED_STARTUP_TIMES", "PAGED_QUANTIZED_CACHE", "PAGED_CPU_LAYER_OPS")
+                  "PAGED_STARTUP_TIMES", "PAGED_QUANTIZED_CACHE", "PAGED_CPU_LAYER_OPS", "PAGED_CONFIG_SNAPSHOT")
 
 
 def config_keys() -> list[str]:

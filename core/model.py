@@ -30,6 +30,16 @@ on nothing else, and in this order:
    ``attn_metadata`` to ``backend.forward(q, k, v, kv_cache, attn_metadata)`` untouched: with
    ``model.compile`` the entries are layer indices and the backend an opaque custom op
    (``paged.core.engine.compiled_step``); a model that reads its caches itself runs eager.
+
+Per-layer attention settings (sliding window, logit soft-cap, softmax scale; see
+``paged.core.attention``): a layer with any of them passes ``settings=AttentionSettings(...)`` to
+``backend.forward`` (``paged.models.layers.Attention`` does, from its keyword arguments
+``sliding_window``, ``logits_soft_cap`` and ``scale``) and checks at build time that the backend
+declares them (``check_backend_supports``: a ``ConfigError`` naming backend, setting and value).
+After building, the engine looks for the layers' settings (modules with an ``attn_settings``
+attribute, ``paged.core.attention.kv_sliding_window``): when every one of the ``num_layers``
+layers has a window, the KV manager returns the blocks behind the largest window to the pool; a
+model whose layers do not declare settings is treated as global (nothing is freed early).
 """
 
 from __future__ import annotations

@@ -15,6 +15,16 @@ FLOAT32_MAX = 3.4028234663852886e38
 GREEDY_TEMPERATURE = 1e-5
 
 
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+
+
+def _token_key(key):
+    """A logit_bias key: an int, or a JSON object's string key holding one."""
+    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+        return int(key)
+    return key
+
+
 @dataclass
 class SamplingParams:
     """How to pick each generated token and when to stop.
@@ -44,6 +54,13 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Constrain the output to a JSON schema / any JSON object / regex / choice / grammar.
     structured_output: StructuredOutputParams | None = None
+    # token id -> added to its logit before anything else (OpenAI's logit_bias: -100 bans, +100 forces)
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # only these may be generated
+    # words never generated: the front-end tokenizes each (as written and after a space) into
+    # ``bad_words_token_ids``; a word's last token is banned where the output ends with the rest of it
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_output, dict):
@@ -52,6 +69,10 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.bad_words = list(self.bad_words or [])
+        self.bad_words_token_ids = [list(ids) for ids in self.bad_words_token_ids or []]
+        if isinstance(self.logit_bias, dict):  # JSON gives string keys: "123" is token 123
+            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
         if self.top_k == -1:
             self.top_k = 0
         if isinstance(self.seed, int) and not isinstance(self.seed, bool):
@@ -106,6 +127,27 @@ class SamplingParams:
             bad("frequency_penalty", "must be in [-2, 2]")
         if not 0.01 <= self.repetition_penalty <= 100.0:  # logits are divided by it in float32
             bad("repetition_penalty", "must be in [0.01, 100] (1 disables it)")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                bad("logit_bias", "must be a map of token id to bias")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise InvalidRequestError(f"logit_bias: {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+            for token, bias in self.logit_bias.items():
+                if not is_int(token) or token < 0:
+                    raise InvalidRequestError(f"logit_bias: key {token!r} is not a token id (an integer >= 0)")
+                if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100.0 <= bias <= 100.0:
+                    raise InvalidRequestError(f"logit_bias: bias {bias!r} of token {token} must be a number in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids or \
+                    any(not is_int(t) or t < 0 for t in self.allowed_token_ids):
+                bad("allowed_token_ids", "must be a non-empty list of token ids >= 0")
+            if self.structured_output is not None:
+                bad("allowed_token_ids", "cannot be combined with structured_output (the two masks may leave no token)")
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            bad("bad_words", "must be a list of non-empty strings")
+        if any(not isinstance(ids, list) or not ids or any(not is_int(t) or t < 0 for t in ids)
+               for ids in self.bad_words_token_ids):
+            bad("bad_words_token_ids", "must be a list of non-empty lists of token ids >= 0")
         if self.structured_output is not None:
             if not isinstance(self.structured_output, StructuredOutputParams):
                 bad("structured_output", "must be a StructuredOutputParams or a dict of its fields")

@@ -31,3 +31,20 @@ class ScratchBuffers:
 
     def __contains__(self, name: str) -> bool:
         return name in self._buffers
+
+
+_UNSIGNED_BY_SIZE = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}
+
+
+def zeros_untouched(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``torch.zeros``, except that on a CPU the memory comes from ``calloc`` (through numpy), so
+    the operating system hands out zero pages as they are first written instead of ``torch.zeros``
+    writing every byte up front: a 1 GiB KV cache costs nothing until it fills (about 1 s at
+    start-up otherwise, and its whole size in resident memory)."""
+    device = torch.device(device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or itemsize not in _UNSIGNED_BY_SIZE or dtype.is_complex:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    return torch.from_numpy(np.zeros(shape, dtype=_UNSIGNED_BY_SIZE[itemsize])).view(dtype)

@@ -1,5 +1,5 @@
 // Fused elementwise layers for the CPU (RMSNorm with its residual add, rotary embedding,
-// SiLU-and-mul); built and loaded by cpu_layer_ops.py (see its docstring for why and how).
+// SiLU-and-mul, GELU-tanh-and-mul); built and loaded by cpu_layer_ops.py (see its docstring for why and how).
 // `vec`, `W` and `load_vec` come from core/native_vec.h, which the build puts before this source.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -107,8 +108,10 @@ inline void store16<c10::BFloat16>(c10::BFloat16* p, vec v) {  // v's low 16 bit
 // ---- RMSNorm --------------------------------------------------------------------------------
 // Eager (paged.models.layers.RMSNorm): h = x + residual (rounded); h32 = float(h);
 // out = weight * round(h32 * rsqrt(mean(h32^2) + eps)) (rounded).
-template <typename T>
-void norm_rows(const T* x, const T* res, T* res_out, const T* w, T* out, int64_t rows, int64_t n, float eps) {
+// Gemma's (paged.models.gemma2.GemmaRMSNorm, kGemma): the weight is float32 (1 + w) and multiplies
+// the unrounded fp32 value: out = round(h32 * rsqrt(mean(h32^2) + eps) * weight), one rounding.
+template <typename T, typename WT, bool kGemma>
+void norm_rows(const T* x, const T* res, T* res_out, const WT* w, T* out, int64_t rows, int64_t n, float eps) {
   at::parallel_for(0, rows, GRAIN_ROWS, [&](int64_t begin, int64_t end) {
     std::vector<float> h(n + W);
     for (int64_t r = begin; r < end; ++r) {
@@ -144,20 +147,28 @@ void norm_rows(const T* x, const T* res, T* res_out, const T* w, T* out, int64_t
       for (int j = 0; j < W; ++j) ss += partial[j];
       const float inv = 1.f / std::sqrt(ss / float(n) + eps);
       T* o = out + r * n;
-      for (i = 0; i + W <= n; i += W)
-        store16(o + i, round16<T>(load_vec(w + i) * round16<T>(load_vec(h.data() + i) * splat(inv))));
-      for (; i < n; ++i) o[i] = from_f<T>(to_f(w[i]) * rounded<T>(h[i] * inv));
+      if constexpr (kGemma) {
+        for (i = 0; i + W <= n; i += W)
+          store16(o + i, round16<T>((load_vec(h.data() + i) * splat(inv)) * load_vec(w + i)));
+        for (; i < n; ++i) o[i] = from_f<T>((h[i] * inv) * w[i]);
+      } else {
+        for (i = 0; i + W <= n; i += W)
+          store16(o + i, round16<T>(load_vec(w + i) * round16<T>(load_vec(h.data() + i) * splat(inv))));
+        for (; i < n; ++i) o[i] = from_f<T>(to_f(w[i]) * rounded<T>(h[i] * inv));
+      }
     }
   });
 }
 
+template <bool kGemma>
 std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_in, const at::Tensor* res_in,
                                              const at::Tensor& weight, double eps, const char* op) {
   check_cpu(x_in, op, "x");
   check_cpu(weight, op, "weight");
   const int64_t n = x_in.size(-1);
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n && weight.scalar_type() == x_in.scalar_type(), op,
-              ": weight must be [", n, "] of x's dtype, got ", weight.sizes(), " ", weight.scalar_type());
+  const auto w_type = kGemma ? at::kFloat : x_in.scalar_type();
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n && weight.scalar_type() == w_type, op,
+              ": weight must be [", n, "] of ", w_type, ", got ", weight.sizes(), " ", weight.scalar_type());
   const at::Tensor x = x_in.contiguous();
   const at::Tensor w = weight.contiguous();
   at::Tensor out = at::empty(x.sizes(), x.options());
@@ -173,9 +184,10 @@ std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_in, const at::T
   const int64_t rows = n == 0 ? 0 : x.numel() / n;
   const float e = static_cast<float>(eps);
   switch (x.scalar_type()) {
-#define PAGED_NORM(T)                                                                                           \
-  norm_rows<T>(x.data_ptr<T>(), res_in ? res.data_ptr<T>() : nullptr, res_in ? res_out.data_ptr<T>() : nullptr, \
-               w.data_ptr<T>(), out.data_ptr<T>(), rows, n, e);                                                 \
+#define PAGED_NORM(T)                                                                                          \
+  norm_rows<T, std::conditional_t<kGemma, float, T>, kGemma>(                                                  \
+      x.data_ptr<T>(), res_in ? res.data_ptr<T>() : nullptr, res_in ? res_out.data_ptr<T>() : nullptr,         \
+      w.data_ptr<std::conditional_t<kGemma, float, T>>(), out.data_ptr<T>(), rows, n, e);                      \
   break;
     case at::kFloat:
       PAGED_NORM(float)
@@ -189,12 +201,21 @@ std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_in, const at::T
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  return std::get<0>(norm_impl(x, nullptr, weight, eps, "rms_norm"));
+  return std::get<0>(norm_impl<false>(x, nullptr, weight, eps, "rms_norm"));
 }
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                                 const at::Tensor& weight, double eps) {
-  return norm_impl(x, &residual, weight, eps, "add_rms_norm");
+  return norm_impl<false>(x, &residual, weight, eps, "add_rms_norm");
+}
+
+at::Tensor gemma_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return std::get<0>(norm_impl<true>(x, nullptr, weight, eps, "gemma_rms_norm"));
+}
+
+std::tuple<at::Tensor, at::Tensor> gemma_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                      const at::Tensor& weight, double eps) {
+  return norm_impl<true>(x, &residual, weight, eps, "gemma_add_rms_norm");
 }
 
 // ---- rotary embedding -----------------------------------------------------------------------
@@ -330,6 +351,58 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
   return out;
 }
 
+// ---- GELU (tanh approximation) and mul --------------------------------------------------------
+// Eager (GatedMLP with activation "gelu_pytorch_tanh", Gemma's GeGLU): round(round(gelu(gate)) *
+// up) with gelu(g) = 0.5 g (1 + tanh(u)), u = sqrt(2/pi) (g + 0.044715 g^3), as torch's
+// F.gelu(approximate="tanh") in fp32. Computed as g / (1 + exp(-2u)) (the same value: 0.5 (1 +
+// tanh(u)) = sigmoid(2u)), which keeps full relative precision where 1 + tanh(u) cancels; exp16
+// as for SiLU, so bfloat16 results can differ from eager in the last bit on a rounding boundary.
+template <typename T>
+void gelu_tanh_mul_rows(const T* x, T* out, int64_t rows, int64_t inter, int64_t x_stride) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(inter, 1));
+  const float k2 = 2.f * 0.7978845608028654f;  // 2 sqrt(2 / pi)
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = x + r * x_stride;
+      const T* u = g + inter;
+      T* o = out + r * inter;
+      int64_t i = 0;
+      for (; i + W <= inter; i += W) {
+        const vec gi = load_vec(g + i);
+        const vec two_u = splat(k2) * (gi + splat(0.044715f) * (gi * gi * gi));
+        const vec gelu = round16<T>(gi / (splat(1.f) + exp16(-two_u)));
+        store16(o + i, round16<T>(gelu * load_vec(u + i)));
+      }
+      for (; i < inter; ++i) {
+        const float gi = to_f(g[i]);
+        const float two_u = k2 * (gi + 0.044715f * (gi * gi * gi));
+        o[i] = from_f<T>(rounded<T>(gi / (1.f + std::exp(-two_u))) * to_f(u[i]));
+      }
+    }
+  });
+}
+
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x_in) {
+  check_cpu(x_in, "gelu_tanh_and_mul", "x");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) % 2 == 0,
+              "gelu_tanh_and_mul: x must be [T, 2 * intermediate_size], got ", x_in.sizes());
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  const int64_t rows = x.size(0), inter = x.size(1) / 2;
+  at::Tensor out = at::empty({rows, inter}, x.options());
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      gelu_tanh_mul_rows<float>(x.data_ptr<float>(), out.data_ptr<float>(), rows, inter, x.stride(0));
+      break;
+    case at::kBFloat16:
+      gelu_tanh_mul_rows<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), rows, inter,
+                                        x.stride(0));
+      break;
+    default:
+      gelu_tanh_mul_rows<c10::Half>(x.data_ptr<c10::Half>(), out.data_ptr<c10::Half>(), rows, inter, x.stride(0));
+  }
+  return out;
+}
+
 }  // namespace
 
 namespace py = pybind11;
@@ -338,6 +411,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {  // the same kernels, called from eag
   // the GIL is released while they run, as torch's own ops do
   m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>());
   m.def("add_rms_norm", &add_rms_norm, py::call_guard<py::gil_scoped_release>());
+  m.def("gemma_rms_norm", &gemma_rms_norm, py::call_guard<py::gil_scoped_release>());
+  m.def("gemma_add_rms_norm", &gemma_add_rms_norm, py::call_guard<py::gil_scoped_release>());
   m.def("rotary", &rotary, py::call_guard<py::gil_scoped_release>());
   m.def("silu_and_mul", &silu_and_mul, py::call_guard<py::gil_scoped_release>());
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, py::call_guard<py::gil_scoped_release>());
 }

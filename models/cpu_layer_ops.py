@@ -1,5 +1,5 @@
 """Fused CPU kernels for the elementwise layers: RMSNorm (with its residual add), rotary
-embedding, SiLU-and-mul (C++, built once per machine: by ``.ci/setup``, else on first use).
+embedding, SiLU-and-mul, GELU-tanh-and-mul (C++, built once per machine: by ``.ci/setup``, else on first use).
 
 Why: at batch 1 a decode step's weights are read in ~4 ms on this 2-core machine, and eager
 PyTorch spent as long again dispatching the ~80 small ops per layer around them: RMSNorm alone
@@ -10,8 +10,11 @@ bit of fp32: the summation order is its own).
 
     rms_norm(x [..., N], weight [N], eps) -> out
     add_rms_norm(x, residual, weight, eps) -> (out, x + residual)    # inputs left unchanged
+    gemma_rms_norm / gemma_add_rms_norm: the same with a float32 weight (Gemma's 1 + w) applied
+        before the one rounding (HF's Gemma norm)
     rotary(q [T, H, D], k [T, Hkv, D], cos, sin [T, (1,) D/2]) -> (q', k')   # neox rotate-half
     silu_and_mul(x [T, 2I]) -> silu(x[:, :I]) * x[:, I:]
+    gelu_tanh_and_mul(x [T, 2I]) -> gelu_tanh(x[:, :I]) * x[:, I:]   # Gemma's GeGLU
 
 float32, bfloat16 and float16 CPU tensors. ``paged.models.layers`` calls them for CPU tensors in
 eager mode (``enabled``); under ``torch.compile`` inductor fuses the torch ops itself. Built with
@@ -46,7 +49,7 @@ def build_name() -> str:
 
 @functools.cache
 def load() -> Any | None:
-    """The four kernels above as a Python module (no torch ops: only eager code calls them),
+    """The kernels above as a Python module (no torch ops: only eager code calls them),
     loaded (built if need be) on first use; ``None`` with one warning per process if they cannot be built or loaded,
     or when ``PAGED_CPU_LAYER_OPS=0``."""
     if os.environ.get("PAGED_CPU_LAYER_OPS", "1") == "0":

@@ -1,7 +1,7 @@
 """Layers shared by the decoder-only models: the one place where norms, linears, MLP and the
 paged attention wrapper are defined (rotary embeddings: ``paged.models.rotary``, re-exported here).
 
-On a CPU, in eager mode, RMSNorm, rotary and SiLU-and-mul run as fused C++ ops
+On a CPU, in eager mode, RMSNorm, rotary and SiLU- (or GELU-tanh-) and-mul run as fused C++ ops
 (``paged.models.cpu_layer_ops``: the same values, one call each instead of ten).
 
 All modules take flattened tokens: ``[num_tokens, ...]`` with a 1-D ``positions`` tensor, never
@@ -24,7 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paged.core.attention import AttentionSettings, check_backend_supports
 from paged.core.engine.distributed import HeadShard, get_tp, shard_heads, shard_range
+from paged.core.errors import ModelLoadError
 from paged.core.loading.weights import CheckpointSlice, whole_parameters  # re-exported: public here too
 from paged.core.quantization import QuantizedWeight
 from paged.core.utils import cdiv
@@ -310,14 +312,24 @@ class RMSNorm(nn.Module):
 # ---- rotary embedding ------------------------------------------------------------------------
 
 class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one column-parallel projection
+    """``down(act(gate(x)) * up(x))`` with gate and up fused into one column-parallel projection
     (``gate_up_proj.weight`` = this rank's rows of gate, then the same rows of up) and a
-    row-parallel ``down_proj``."""
+    row-parallel ``down_proj``. ``activation``: ``"silu"`` (SwiGLU, the default) or
+    ``"gelu_pytorch_tanh"`` (GeGLU with the tanh approximation, as Gemma; HF's name for
+    ``F.gelu(x, approximate="tanh")``); both run as one fused C++ op on CPUs."""
+
+    ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, bias: bool = False, *, dtype: torch.dtype, device
+        self, hidden_size: int, intermediate_size: int, bias: bool = False, *, dtype: torch.dtype, device,
+        activation: str = "silu",
     ) -> None:
         super().__init__()
+        if activation not in self.ACTIVATIONS:
+            raise ModelLoadError(
+                f"MLP activation {activation!r} is not supported; supported: {', '.join(self.ACTIVATIONS)}"
+            )
+        self.activation = activation
         tp = get_tp()
         start, end = shard_range(intermediate_size, tp.rank, tp.size)
         self.intermediate_size = end - start  # this rank's share
@@ -334,6 +346,11 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         ops = cpu_layer_ops.enabled(gate_up)
+        if self.activation != "silu":
+            if ops is not None and gate_up.dim() == 2:
+                return self.down_proj(ops.gelu_tanh_and_mul(gate_up))
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         if ops is not None and gate_up.dim() == 2:
             return self.down_proj(ops.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
@@ -350,6 +367,15 @@ class Attention(nn.Module):
     count), then its k heads, then its v heads (``num_kv_heads * head_dim`` each); ``o_proj`` is
     row-parallel over the same q heads. The attention itself (KV write + attend) is always
     ``backend.forward(q, k, v, kv_cache, attn_metadata)``, on the local heads only.
+
+    Per-layer settings (``paged.core.attention.AttentionSettings``): ``sliding_window`` (a query
+    at position p sees keys at positions > p - sliding_window, as HF does), ``logits_soft_cap``
+    (scores = cap * tanh(scores / cap) before the softmax) and ``scale`` (None: head_dim ** -0.5;
+    a scale equal to that is the default too). A layer with any of them passes
+    ``settings=self.attn_settings`` to ``backend.forward``; the backend's support is checked
+    here, when the model is built (``ConfigError`` naming backend, setting and value). A subclass
+    that writes its own forward calls ``self.backend.forward(q, k, v, kv_cache, attn_metadata,
+    **self._settings_kwargs)`` (empty for the default, so older backends keep working).
     """
 
     def __init__(
@@ -363,10 +389,19 @@ class Attention(nn.Module):
         *,
         qkv_bias: bool = False,
         o_bias: bool = False,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        scale: float | None = None,
         dtype: torch.dtype,
         device,
     ) -> None:
         super().__init__()
+        if scale is not None and scale == head_dim**-0.5:
+            scale = None  # the default: a backend need not declare the feature for it
+        self.attn_settings = AttentionSettings(sliding_window, logits_soft_cap, scale)
+        check_backend_supports(backend, self.attn_settings)
+        # what forward passes to the backend: nothing for the default (older backends take no settings)
+        self._settings_kwargs = {} if self.attn_settings.is_default else {"settings": self.attn_settings}
         tp = get_tp()
         shard: HeadShard = shard_heads(num_heads, num_kv_heads, tp.rank, tp.size)
         self.num_heads = shard.num_heads
@@ -404,5 +439,5 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k, cos_sin)
-        out = self.backend.forward(q, k, v, kv_cache, attn_metadata)
+        out = self.backend.forward(q, k, v, kv_cache, attn_metadata, **self._settings_kwargs)
         return self.o_proj(out.reshape(num_tokens, self.q_size))

@@ -34,7 +34,6 @@ from paged.models.layers import (
     VocabParallelEmbedding,
     prepack_cpu_linears,
     quantize_weights,
-    rope_settings,
     weight_bytes,
 )
 
@@ -48,6 +47,16 @@ def attention_shape(hf_config: Any) -> AttentionShape:
     return AttentionShape(int(hf_config.num_hidden_layers), num_heads, num_kv_heads, int(head_dim))
 
 
+def effective_sliding_window(hf_config: Any, window: Any) -> int | None:
+    """``window`` (a config's ``sliding_window``) as the layer's attention window, or None where
+    it cannot matter: no window, or one no shorter than ``max_position_embeddings`` (which caps
+    every sequence the engine runs)."""
+    if window is None:
+        return None
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    return None if limit is not None and int(window) >= int(limit) else int(window)
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(
         self,
@@ -58,13 +67,16 @@ class LlamaDecoderLayer(nn.Module):
         *,
         dtype: torch.dtype,
         device,
+        self_attn: nn.Module | None = None,
     ) -> None:
+        """``self_attn``: the layer's attention when the architecture builds its own
+        (``LlamaForCausalLM.build_attention``); None builds Llama's."""
         super().__init__()
         _, num_heads, num_kv_heads, head_dim = attention_shape(config)
         qkv_bias, o_bias, mlp_bias = biases
         eps = float(config.rms_norm_eps)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
-        self.self_attn = Attention(
+        self.self_attn = self_attn if self_attn is not None else Attention(
             config.hidden_size,
             num_heads,
             num_kv_heads,
@@ -100,18 +112,23 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, config: Any, backend: Any, biases: tuple[bool, bool, bool], *, dtype: torch.dtype, device
+        self, config: Any, backend: Any, biases: tuple[bool, bool, bool], *, dtype: torch.dtype, device,
+        family: Any = None,
     ) -> None:
+        """``family``: the ``LlamaForCausalLM`` (sub)class whose ``build_attention`` builds each
+        layer's attention; None: Llama's attention in every layer."""
         super().__init__()
         _, _, _, head_dim = attention_shape(config)
-        theta, scaling = rope_settings(config)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.rotary_emb = RotaryEmbedding(
-            head_dim, int(config.max_position_embeddings), theta, scaling, device=device
-        )
+        # rope_theta, any rope scaling and partial_rotary_factor, as the config states them
+        self.rotary_emb = RotaryEmbedding.from_config(config, head_dim, device=device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary_emb, backend, biases, dtype=dtype, device=device)
-            for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(
+                config, self.rotary_emb, backend, biases, dtype=dtype, device=device,
+                self_attn=None if family is None else family.build_attention(
+                    config, i, self.rotary_emb, backend, dtype=dtype, device=device),
+            )
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, float(config.rms_norm_eps), dtype=dtype, device=device)
 
@@ -132,7 +149,9 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """``LlamaForCausalLM`` of HF: RMSNorm, rotary (default or llama3 scaling), GQA, gated SiLU."""
+    """``LlamaForCausalLM`` of HF: RMSNorm, rotary (any rope type of ``paged.models.rotary``,
+    partial_rotary_factor), GQA, gated SiLU. Subclasses change the layers' attention through
+    ``attention_options`` / ``build_attention``."""
 
     architecture = "LlamaForCausalLM"
 
@@ -142,7 +161,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = hf_config
         self.dtype = dtype
         self.device = torch.device(device)
-        self.model = LlamaModel(hf_config, backend, self.biases(hf_config), dtype=dtype, device=self.device)
+        self.model = LlamaModel(
+            hf_config, backend, self.biases(hf_config), dtype=dtype, device=self.device, family=type(self)
+        )
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, dtype=dtype, device="meta")
@@ -157,6 +178,27 @@ class LlamaForCausalLM(nn.Module):
         """``(qkv_bias, o_proj_bias, mlp_bias)``."""
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         return attention_bias, attention_bias, bool(getattr(hf_config, "mlp_bias", False))
+
+    @classmethod
+    def attention_options(cls, hf_config: Any, layer_idx: int) -> dict[str, Any]:
+        """Layer ``layer_idx``'s keyword arguments of ``paged.models.layers.Attention`` beyond the
+        shape and biases (``sliding_window``, ``logits_soft_cap``, ``scale``): none for Llama."""
+        return {}
+
+    @classmethod
+    def build_attention(
+        cls, hf_config: Any, layer_idx: int, rotary: RotaryEmbedding, backend: Any, *, dtype: torch.dtype, device
+    ) -> nn.Module:
+        """Layer ``layer_idx``'s attention: ``Attention`` with this architecture's biases and
+        ``attention_options``. An architecture with another attention (Qwen3's q/k norms)
+        overrides this; what it returns is called like ``Attention``."""
+        _, num_heads, num_kv_heads, head_dim = cls.attention_shape(hf_config)
+        qkv_bias, o_bias, _ = cls.biases(hf_config)
+        return Attention(
+            hf_config.hidden_size, num_heads, num_kv_heads, head_dim, rotary, backend,
+            qkv_bias=qkv_bias, o_bias=o_bias, dtype=dtype, device=device,
+            **cls.attention_options(hf_config, layer_idx),
+        )
 
     @classmethod
     def check_config(cls, hf_config: Any) -> None:

@@ -369,10 +369,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         startup_times.logger.setLevel(logging.DEBUG)
         startup_times.record("interpreter, CLI imports, flags", age or 0.0, cpu)
     try:
-        return args.func(args) or 0
+        code = args.func(args) or 0
     except PagedError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        code = 2
+    profiled = sys.getprofile() is not None or sys.gettrace() is not None  # cProfile, coverage: let them write
+    if argv is None and args.func is cmd_run and not profiled:  # a `paged run` process, not a caller in Python
+        _exit_now(code)
+    return code
+
+
+def _exit_now(code: int) -> None:
+    """End the process without the interpreter's teardown of torch's and transformers' modules
+    (about 1 s, and nothing after a run needs it). The engine has shut down by now; the atexit
+    handlers still run (they stop helper processes), then the output is flushed."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing left to say to it
+            pass
+    os._exit(code)
 
 
 if __name__ == "__main__":

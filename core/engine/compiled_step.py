@@ -1,10 +1,12 @@
 """``model.compile``: small steps through a compiled forward (``torch.compile``, inductor), with
 each layer's attention an opaque custom op.
 
-The model keeps calling ``backend.forward(q, k, v, kv_cache, attn_metadata)``; when compiling,
-the backend it holds is an ``OpaqueAttention``, whose ``forward`` is the custom op
-``paged::attention(q, k, v, layer, backend_id)``, and the model gets the layer indices where it
-would get the KV caches. Dynamo traces the dense part (embedding, norms, projections, rotary,
+The model keeps calling ``backend.forward(q, k, v, kv_cache, attn_metadata)`` (with
+``settings=`` for a layer with a sliding window, soft-cap or its own scale); when compiling, the
+backend it holds is an ``OpaqueAttention``, whose ``forward`` is the custom op
+``paged::attention(q, k, v, layer, backend_id, sliding_window, logits_soft_cap, scale)`` (the
+settings as plain numbers, 0 for a default: constants of the graph), and the model gets the
+layer indices where it would get the KV caches. Dynamo traces the dense part (embedding, norms, projections, rotary,
 MLP) and never the paged cache or the backend's metadata object: the runner's ``CompiledForward``
 keeps the step's caches and metadata here, and the op hands them to the real backend.
 
@@ -20,12 +22,15 @@ a start-up cost of 20-120 s on 2 cores (inductor's caches make later start-ups s
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from paged.core.attention import AttentionSettings
 
 logger = logging.getLogger("paged")
 
@@ -35,17 +40,27 @@ _step: dict[str, Any] = {"kv_caches": None, "metadata": None}
 _backends: list[Any] = []
 
 
+@functools.cache
+def _settings_kwargs(sliding_window: int, logits_soft_cap: float, scale: float) -> dict[str, Any]:
+    """``backend.forward``'s keyword arguments for the op's numbers (0: the default), built once."""
+    settings = AttentionSettings(sliding_window or None, logits_soft_cap or None, scale or None)
+    return {} if settings.is_default else {"settings": settings}
+
+
 @torch.library.custom_op("paged::attention", mutates_args=())
-def paged_attention(q: Tensor, k: Tensor, v: Tensor, layer: int, backend_id: int) -> Tensor:
+def paged_attention(q: Tensor, k: Tensor, v: Tensor, layer: int, backend_id: int, sliding_window: int = 0,
+                    logits_soft_cap: float = 0.0, scale: float = 0.0) -> Tensor:
     """The backend's paged attention for the current step's layer ``layer``: ``[T, H, D]`` like
     ``q``. It writes K/V into the step's cache, which lives outside the graph: the compiler sees
-    no cache, so none is copied, functionalized or guarded."""
-    out = _backends[backend_id].forward(q, k, v, _step["kv_caches"][layer], _step["metadata"])
+    no cache, so none is copied, functionalized or guarded. The last three: the layer's
+    ``AttentionSettings`` (0 for a default field)."""
+    kwargs = _settings_kwargs(sliding_window, logits_soft_cap, scale)
+    out = _backends[backend_id].forward(q, k, v, _step["kv_caches"][layer], _step["metadata"], **kwargs)
     return out.reshape(q.shape).contiguous()  # a fresh tensor from the backend, never an input
 
 
 @paged_attention.register_fake
-def _(q, k, v, layer, backend_id):
+def _(q, k, v, layer, backend_id, sliding_window=0, logits_soft_cap=0.0, scale=0.0):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
@@ -61,10 +76,16 @@ class OpaqueAttention:
         self._id = len(_backends)
         _backends.append(backend)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Any, attn_metadata: Any) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Any, attn_metadata: Any,
+                settings: AttentionSettings | None = None) -> Tensor:
         if isinstance(kv_cache, int):  # decided while tracing: the compiled graph has only the op
-            return torch.ops.paged.attention(q, k, v, kv_cache, self._id)
-        return self._backend.forward(q, k, v, kv_cache, attn_metadata)
+            if settings is None:
+                return torch.ops.paged.attention(q, k, v, kv_cache, self._id)
+            return torch.ops.paged.attention(q, k, v, kv_cache, self._id, settings.sliding_window or 0,
+                                             float(settings.logits_soft_cap or 0.0), float(settings.scale or 0.0))
+        if settings is None:  # a backend written before the settings takes no such argument
+            return self._backend.forward(q, k, v, kv_cache, attn_metadata)
+        return self._backend.forward(q, k, v, kv_cache, attn_metadata, settings=settings)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._backend, name)

@@ -86,7 +86,8 @@ class EngineCore:
                 self.tp_ranks.abort()  # the other ranks may be inside a collective: no stop broadcast
             raise
         self.kv_cache_manager = KVCacheManager(
-            self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+            self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+            sliding_window=getattr(self.runner, "kv_sliding_window", None),
         )
         self.scheduler = Scheduler(
             self.plugins.policy.factory(self.plugins.policy_options),

@@ -5,6 +5,20 @@ blocks are registered in the prefix cache as soon as their tokens are known and 
 step writes their K/V before any attention reads them (every layer writes the whole batch's K/V
 first), so a request admitted later in the same step may already share them (n > 1 samples,
 identical prompts).
+
+Sliding window (``sliding_window`` set: every layer of the model attends over at most the last
+``sliding_window`` positions; the engine passes the largest window, and None as soon as one layer
+is global). A query at position ``p`` reads keys ``> p - W`` only, and a request's later queries
+are at positions ``>= num_computed_tokens``, so a block whose positions all lie at or below
+``num_computed_tokens - W`` is never read again: when a request next needs a new block (or is
+admitted), such blocks are returned to the pool and their table entries become
+``PLACEHOLDER_BLOCK`` (block id 0, no reference held; the attention backends never read positions
+out of a window, so what block 0 holds does not matter and nothing is ever written through a
+placeholder). A long generation then holds about ``W / block_size + 2`` blocks. Prefix caching
+stays correct: a freed block keeps its hash while its contents are intact (until the pool
+reallocates it, which evicts the hash), so a hit is always real data; a hit on a block that is
+already out of the new request's window is not taken (a placeholder stands in its place, and the
+block is neither referenced nor revived).
 """
 
 from __future__ import annotations
@@ -15,6 +29,8 @@ from paged.core.engine.block_pool import BlockPool, KVCacheBlock, hash_block_tok
 from paged.core.engine.request import Request
 from paged.core.utils import cdiv
 
+# Stands for a block that fell out of the window (see the module docstring): not in the pool.
+PLACEHOLDER_BLOCK = KVCacheBlock(0)
 
 
 
@@ -43,9 +59,17 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
+        """``sliding_window``: the largest window when every layer of the model has one (blocks
+        out of it are freed), None when any layer attends over everything."""
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
+        # how many leading entries of each request's table are placeholders (window only)
+        self.num_freed_blocks: dict[str, int] = {}
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.block_tables: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are registered in the cache already.
@@ -108,8 +132,39 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         needed = max(cdiv(num_computed + num_new_tokens, self.block_size) - held, 0)
         if new_computed_blocks:
-            needed += sum(1 for b in new_computed_blocks if b.ref_cnt == 0)  # revived hits
+            first = self._num_dead_blocks(num_computed) - len(self.block_tables.get(request.request_id, ()))
+            # revived hits (those out of the window are not taken)
+            needed += sum(1 for b in new_computed_blocks[max(first, 0):] if b.ref_cnt == 0)
+        if self.sliding_window is not None:  # what allocate_slots frees first
+            needed -= self._num_freeable(request.request_id, request.num_computed_tokens)
         return needed
+
+    def _num_dead_blocks(self, first_query_position: int) -> int:
+        """Leading blocks no query at ``first_query_position`` or later reads (window only)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, first_query_position - self.sliding_window + 1) // self.block_size
+
+    def _num_freeable(self, request_id: str, first_query_position: int) -> int:
+        """Blocks that ``_free_out_of_window`` would return to the free queue now."""
+        table = self.block_tables.get(request_id)
+        if not table:
+            return 0
+        dead = min(self._num_dead_blocks(first_query_position), len(table))
+        return sum(1 for b in table[self.num_freed_blocks.get(request_id, 0) : dead]
+                   if b is not PLACEHOLDER_BLOCK and b.ref_cnt == 1)
+
+    def _free_out_of_window(self, request_id: str, table: list[KVCacheBlock], first_query_position: int) -> None:
+        """Return the table's blocks out of every later query's window to the pool (oldest
+        first), leaving placeholders in their entries."""
+        start = self.num_freed_blocks.get(request_id, 0)
+        dead = min(self._num_dead_blocks(first_query_position), len(table))
+        if dead <= start:
+            return
+        freed = [b for b in table[start:dead] if b is not PLACEHOLDER_BLOCK]
+        table[start:dead] = [PLACEHOLDER_BLOCK] * (dead - start)
+        self.num_freed_blocks[request_id] = dead
+        self.block_pool.free_blocks(freed)
 
     # --- mutations ---------------------------------------------------------------------
     def allocate_slots(
@@ -129,11 +184,18 @@ class KVCacheManager:
         if self.num_blocks_to_allocate(request, num_new_tokens, new_computed_blocks) > self.num_free_blocks:
             return None
         table = self.block_tables.setdefault(request.request_id, [])
-        if new_computed_blocks:
-            self.block_pool.touch(new_computed_blocks)
-            table.extend(new_computed_blocks)
-            self.num_cached_blocks[request.request_id] = len(table)
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        if self.sliding_window is not None:
+            self._free_out_of_window(request.request_id, table, request.num_computed_tokens)
+        if new_computed_blocks:
+            # hits out of the window are not taken: placeholders stand in their entries
+            skip = min(max(self._num_dead_blocks(num_computed) - len(table), 0), len(new_computed_blocks))
+            taken = list(new_computed_blocks[skip:])
+            self.block_pool.touch(taken)
+            table.extend([PLACEHOLDER_BLOCK] * skip + taken)
+            if skip:
+                self.num_freed_blocks[request.request_id] = len(table) - len(taken)
+            self.num_cached_blocks[request.request_id] = len(table)
         needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(table)
         new_blocks = self.block_pool.get_new_blocks(needed) if needed > 0 else []
         table.extend(new_blocks)
@@ -148,13 +210,16 @@ class KVCacheManager:
             return
         self.update_block_hashes(request)
         for i in range(start, end):
-            self.block_pool.cache_block(table[i], request.block_hashes[i])
+            if table[i] is not PLACEHOLDER_BLOCK:  # (a block is cached before it can fall out of the window)
+                self.block_pool.cache_block(table[i], request.block_hashes[i])
         self.num_cached_blocks[request.request_id] = end
 
     def free(self, request: Request) -> None:
         """Release every block of the request, tail first (so its last blocks are evicted first)."""
         table = self.block_tables.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
+        if self.num_freed_blocks.pop(request.request_id, 0):
+            table = [b for b in table if b is not PLACEHOLDER_BLOCK]
         if table:
             self.block_pool.free_blocks(reversed(table))
 

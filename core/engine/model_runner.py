@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from paged.core.attention import AttentionLayout, BatchInputs
+from paged.core.attention import AttentionLayout, BatchInputs, kv_sliding_window
 from paged.core.config import EngineConfig, ResolvedPlugins
 from paged.core.engine.compiled_step import CompiledForward, OpaqueAttention
 from paged.core.engine.distributed import get_tp, shard_heads
@@ -118,6 +118,8 @@ class ModelRunner:
         # Compiled, the model holds an OpaqueAttention: attention through a custom op dynamo does not trace.
         model_backend = OpaqueAttention(self.backend) if compile_steps else self.backend
         self.model = build_model(model.model_dir, model.hf_config, model.spec.factory, model_backend, self.dtype, device)
+        # every layer windowed: the KV manager frees the blocks out of the largest window
+        self.kv_sliding_window = kv_sliding_window(self.model, num_layers)
         self._quantize(config, registry, device)
         prepack = getattr(self.model, "prepack_weights", None)
         if prepack is not None and device.type == "cpu" and self.dtype == torch.bfloat16 and config.model.cpu_prepack_weights:

@@ -6,6 +6,10 @@ Per row, in this order (the order vLLM uses):
 0. structured output: a request with a grammar matcher (``request.grammar``, see
    paged.core.structured_output) fills its row of an int32 bitmask; the rows are unpacked and
    the disallowed tokens of every constrained row set to ``-inf`` in one batched op;
+0b. ``allowed_token_ids``: every other token gets ``-inf``; ``bad_words_token_ids``: a word's last
+   token gets ``-inf`` where the output so far ends with the word's other tokens (a one-token
+   word always); ``logit_bias``: each listed token's bias is added (OpenAI's semantics, so -100
+   all but bans a token and +100 all but forces it);
 1. repetition penalty (HF semantics) over prompt + output tokens;
 2. frequency and presence penalties (OpenAI semantics) over output tokens only;
 3. ``min_tokens``: while the request has fewer output tokens, its EOS token (unless
@@ -200,20 +204,24 @@ class Sampler:
         want_logprobs = any(p.logprobs is not None for p in params)
         all_greedy = all(p.temperature == 0.0 for p in params)
         grammar_rows = [i for i, r in enumerate(requests) if r.grammar is not None and not r.grammar.is_terminated()]
+        token_rows = [i for i, p in enumerate(params)
+                      if p.logit_bias or p.allowed_token_ids is not None or p.bad_words_token_ids]
 
         # Fast path: a plain greedy batch is one argmax. (The float32 conversion is exact; on CPU,
         # where half-precision argmax is slow, converting first is faster.)
-        if all_greedy and not (use_rep or use_freq_pres or min_tok_rows or want_logprobs or grammar_rows):
+        if all_greedy and not (use_rep or use_freq_pres or min_tok_rows or want_logprobs or grammar_rows or token_rows):
             if logits.device.type == "cpu":
                 logits = logits.to(torch.float32)
             return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * num)
 
-        copied = bool(use_rep or use_freq_pres or min_tok_rows or grammar_rows)
+        copied = bool(use_rep or use_freq_pres or min_tok_rows or grammar_rows or token_rows)
         if copied:
             # One private float32 copy that the masks and the penalties then edit in place.
             logits = logits.to(torch.float32, copy=True)
             if grammar_rows:
                 self._apply_grammar_masks(logits, requests, grammar_rows)
+            if token_rows:
+                self._apply_token_rules(logits, requests, token_rows)
             if use_rep or use_freq_pres:
                 self._apply_penalties(logits, requests, use_rep, use_freq_pres)
             if min_tok_rows:
@@ -271,6 +279,41 @@ class Sampler:
         else:
             idx = torch.tensor(rows, device=logits.device)
             logits[idx] = logits[idx].masked_fill_(banned, _NEG_INF)
+
+    # ------------------------------------------- allowed tokens, bad words, logit bias
+
+    @staticmethod
+    def _apply_token_rules(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
+        """``allowed_token_ids``, ``bad_words_token_ids`` and ``logit_bias`` of ``rows``, in place:
+        one masked fill for the allowed sets, one scatter for the banned tokens, one for the biases."""
+        vocab, dev = logits.shape[1], logits.device
+        allowed = [i for i in rows if requests[i].sampling_params.allowed_token_ids is not None]
+        if allowed:
+            keep = torch.zeros(len(allowed), vocab, dtype=torch.bool)
+            for j, i in enumerate(allowed):
+                keep[j, [t for t in requests[i].sampling_params.allowed_token_ids if t < vocab]] = True
+            idx = torch.tensor(allowed, device=dev)
+            logits[idx] = logits[idx].masked_fill_(~keep.to(dev), _NEG_INF)
+        banned: list[int] = []
+        biased: list[int] = []
+        biases: list[float] = []
+        for i in rows:
+            p = requests[i].sampling_params
+            output = requests[i].output_token_ids
+            for word in p.bad_words_token_ids:
+                *head, last = word
+                if last < vocab and (not head or output[len(output) - len(head):] == head):
+                    banned.append(i * vocab + last)
+            for token, bias in (p.logit_bias or {}).items():
+                if token < vocab:
+                    biased.append(i * vocab + token)
+                    biases.append(float(bias))
+        flat = logits.view(-1)
+        if banned:
+            flat[torch.tensor(banned, dtype=torch.long, device=dev)] = _NEG_INF
+        if biased:
+            flat.index_add_(0, torch.tensor(biased, dtype=torch.long, device=dev),
+                            torch.tensor(biases, dtype=torch.float32, device=dev))
 
     # -------------------------------------------------------------- penalties
 

@@ -439,8 +439,8 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.running_since = now
             bisect.insort(self.running, request, key=_sort_key)
-            output.scheduled.append(
-                ScheduledRequest(request, num_cached, num_new, [b.block_id for b in computed_blocks + new_blocks])
+            output.scheduled.append(  # its whole table: hits out of a sliding window are placeholders there
+                ScheduledRequest(request, num_cached, num_new, self.kv.get_block_ids(request.request_id))
             )
             request.num_computed_tokens = num_cached + num_new
             request.num_service_tokens += num_new

@@ -72,6 +72,24 @@ class InputProcessor:
             self._renders_tools = "probe_fn" in with_tools and with_tools != plain
         return self._renders_tools
 
+    def _check_token_fields(self, params: SamplingParams) -> SamplingParams:
+        """Token ids within the vocabulary, and ``bad_words`` tokenized (a copy when changed)."""
+        vocab = self.info.vocab_size
+        for name, ids in (("logit_bias", list(params.logit_bias or ())), ("allowed_token_ids", params.allowed_token_ids or [])):
+            out_of_range = [t for t in ids if not 0 <= t < vocab]
+            if out_of_range:
+                raise InvalidRequestError(f"{name}: token ids {out_of_range[:5]} out of range; token ids must be in [0, {vocab})")
+        if not params.bad_words or params.bad_words_token_ids:
+            return params
+        sequences: list[list[int]] = []
+        for word in params.bad_words:
+            # the word as written and as it appears after a space (another token for most BPEs)
+            for text in dict.fromkeys((word.strip(), " " + word.strip())):
+                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return params.copy(bad_words_token_ids=sequences)
+
     def process(
         self,
         request_id: str,
@@ -102,6 +120,7 @@ class InputProcessor:
                 raise InvalidRequestError(
                     f"prompt_token_ids: {bad[:5]} out of range; token ids must be in [0, {self.info.vocab_size})"
                 )
+        params = self._check_token_fields(params)
         if params.structured_output is not None and self.validate_structured_output is not None:
             self.validate_structured_output(params.structured_output, self.info)
         if isinstance(priority, bool) or not isinstance(priority, int):

@@ -34,6 +34,7 @@ The header (optional, the first line only) is any object with ``"paged_trace": <
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
 from dataclasses import dataclass, field
@@ -41,6 +42,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from paged.core.errors import PagedError
+
+logger = logging.getLogger("paged")
 
 TRACE_VERSION = 1
 DEFAULT_OUTPUT_LEN = 16
@@ -336,12 +339,19 @@ def _spec_dict(spec: GeneratorSpec) -> dict[str, Any]:
 
 # --- recording what the engine served --------------------------------------------------------------
 def _sampling_fields(params: Any) -> dict[str, Any]:
-    from dataclasses import fields
+    """The fields that differ from the defaults, as JSON (a structured-output constraint as its
+    dict, which ``SamplingParams`` reads back)."""
+    from dataclasses import asdict, fields, is_dataclass
 
     from paged.core.sampling_params import SamplingParams
 
     defaults = SamplingParams()
-    return {f.name: getattr(params, f.name) for f in fields(params) if getattr(params, f.name) != getattr(defaults, f.name)}
+    out = {}
+    for f in fields(params):
+        value = getattr(params, f.name)
+        if value != getattr(defaults, f.name):
+            out[f.name] = asdict(value) if is_dataclass(value) else value
+    return out
 
 
 def _arrival_time(output: Any) -> float:
@@ -395,9 +405,12 @@ class TraceRecorder:
         entry = self._pending.pop(output.request_id, None)
         if entry is None:
             return
-        request = _trace_request(output, *entry, self.t0)
-        self._file.write(json.dumps(request.to_dict(), ensure_ascii=False) + "\n")
-        self._file.flush()
+        try:
+            request = _trace_request(output, *entry, self.t0)
+            self._file.write(json.dumps(request.to_dict(), ensure_ascii=False) + "\n")
+            self._file.flush()
+        except Exception as e:  # a request the trace cannot hold: say so; serving goes on
+            logger.warning("trace recorder: request %s not recorded: %s: %s", output.request_id, type(e).__name__, e)
 
     def close(self) -> None:
         self._file.close()

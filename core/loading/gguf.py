@@ -4,7 +4,9 @@ files with the chat template, generation_config.json), converted once and cached
 Weights are dequantized with ``gguf.quants.dequantize`` and renamed to the HF names. llama.cpp's
 converter permutes the rows of the Llama q and k projections (per head: the two rotary halves
 interleaved, for its GPT-J style rope); that permutation is undone here, so the result is the
-same checkpoint layout an HF Llama model has. Qwen2 GGUFs are not permuted.
+same checkpoint layout an HF Llama model has. Qwen2 GGUFs are not permuted. Sparse MoE GGUFs
+(Mixtral, Qwen2-MoE, Qwen3-MoE: stacked experts written back as HF's per-expert tensors, their
+blocks kept): ``paged.core.loading.gguf_moe``.
 
 The tokenizer is rebuilt from the GGUF metadata by transformers (``gguf_file=``) and saved next
 to the weights.
@@ -32,7 +34,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from paged.core.errors import ModelLoadError
-from paged.core.loading import gguf_blocks
+from paged.core.loading import gguf_blocks, gguf_dense, gguf_gemma, gguf_moe
 
 logger = logging.getLogger("paged")
 
@@ -52,6 +54,15 @@ BLOCK_FIELDS = ("scale", "offset", "stored_codes", "super_scale", "super_offset"
 _ARCHITECTURES = {  # general.architecture -> (HF architecture, model_type, q/k rows permuted)
     "llama": ("LlamaForCausalLM", "llama", True),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
+    # dense (paged.core.loading.gguf_dense; Mistral is "llama")
+    "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
+    "phi3": ("Phi3ForCausalLM", "phi3", False),
+    # sparse MoE (paged.core.loading.gguf_moe; Mixtral is "llama" with experts)
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe", False),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
+    # Gemma (paged.core.loading.gguf_gemma: its own norm names, norms stored as 1 + w)
+    "gemma2": ("Gemma2ForCausalLM", "gemma2", False),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
 }
 
 _LAYER_TENSORS = {
@@ -64,6 +75,9 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",  # per-head q/k RMSNorm (Qwen3)
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj",  # fused q, k, v rows (Phi-3; gguf_dense splits them)
 }
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -247,7 +261,7 @@ def _hf_config(meta: _Metadata, arch: str, reader: Any) -> Any:
     kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
     rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
+    if rope_dim != head_dim and arch != "phi3":  # phi3: partial rotary (gguf_dense)
         raise ModelLoadError(
             f"model: GGUF rope.dimension_count {rope_dim} != head_dim {head_dim} (partial rotary) is not supported"
         )
@@ -279,7 +293,13 @@ def _hf_config(meta: _Metadata, arch: str, reader: Any) -> Any:
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
     )
-    if model_type == "llama":
+    if gguf_moe.is_moe(meta, arch):
+        config = gguf_moe.hf_config(meta, arch, head_dim, kwargs, tensor_names)
+    elif arch in ("qwen3", "phi3"):
+        config = gguf_dense.hf_config(meta, arch, reader, kwargs, head_dim, rope_dim)
+    elif gguf_gemma.is_gemma(arch):
+        config = gguf_gemma.hf_config(meta, arch, kwargs, head_dim)
+    elif model_type == "llama":
         config = LlamaConfig(head_dim=head_dim, **kwargs)
     else:
         config = Qwen2Config(use_sliding_window=False, **kwargs)
@@ -330,7 +350,13 @@ def _write_weights(reader: Any, arch: str, config: Any, path: Path, scales_path:
     scales: dict[str, np.ndarray] = {}
     kinds: dict[str, str] = {}
     for t in reader.tensors:
-        name = hf_tensor_name(t.name)
+        if gguf_dense.is_rope_factor_tensor(t.name):  # longrope's factors: in the config
+            continue
+        if gguf_moe.is_moe_tensor(t.name):  # stacked experts, router, shared expert: own names
+            gguf_moe.write_tensor(t, config, tensors, scales, kinds, BLOCK_FIELDS)
+            continue
+        gemma = gguf_gemma.is_gemma(arch)
+        name = gguf_gemma.hf_tensor_name(t.name) if gemma else hf_tensor_name(t.name)
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first
         try:
             # a plain ndarray view of the memmap: numpy's memmap bookkeeping slows dequantize down
@@ -341,6 +367,8 @@ def _write_weights(reader: Any, arch: str, config: Any, path: Path, scales_path:
             raise ModelLoadError(f"model: GGUF tensor {t.name!r} dequantized to {w.shape}, expected {shape}")
         parts = {"": w.reshape(shape)}
         decoded = gguf_blocks.decode_blocks(t.data.view(np.ndarray), t.tensor_type.name, shape)
+        if gemma and gguf_gemma.is_shifted_norm(name):  # stored as 1 + w
+            parts[""] = gguf_gemma.unshift_norm(name, parts[""], decoded is not None)
         if decoded is not None:
             for field in BLOCK_FIELDS:
                 parts["." + field] = getattr(decoded, "codes" if field == "stored_codes" else field)
@@ -351,6 +379,7 @@ def _write_weights(reader: Any, arch: str, config: Any, path: Path, scales_path:
             elif permuted and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
                 a = unpermute_rotary_rows(a, config.num_key_value_heads)
             (scales if suffix else tensors)[name + suffix] = np.ascontiguousarray(a)
+    gguf_dense.split_fused(arch, config, tensors, scales, kinds, BLOCK_FIELDS)  # Phi-3's fused rows
     save_file(tensors, str(path), metadata={"format": "pt"})
     save_file(scales, str(scales_path), metadata={"format": "pt", "kinds": json.dumps(kinds)})
 

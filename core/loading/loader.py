@@ -68,9 +68,15 @@ def load_hf_config(model_dir: str | Path) -> Any:
     """The transformers config of a local model directory (``AutoConfig``, local files only).
 
     A ``model_type`` transformers does not know (a plugin's own architecture) still loads: the
-    JSON becomes a plain ``PretrainedConfig`` whose attributes are its keys."""
+    JSON becomes a plain ``PretrainedConfig`` whose attributes are its keys. After the first load
+    of a given config.json this is a ``config_snapshot.ConfigSnapshot``, which answers the same
+    attribute reads without importing transformers' model code (``config_snapshot.real`` gives
+    the config itself)."""
+    from paged.core.loading import config_snapshot
+    from paged.core.loading.gguf import cache_dir
+
     with phase("hf config"):
-        return _load_hf_config(Path(model_dir))
+        return config_snapshot.load(Path(model_dir), _load_hf_config, cache_dir())
 
 
 def _load_hf_config(model_dir: Path) -> Any:
@@ -115,14 +121,13 @@ def load_tokenizer(model_dir: str | Path, revision: str | None = None) -> Any:
 
 
 def _load_tokenizer(model_dir: str | Path, revision: str | None) -> Any:
-    from transformers import AutoTokenizer
-
-    from paged.core.loading import hub
+    from paged.core.loading import config_snapshot, hub
+    from paged.core.loading.gguf import cache_dir
 
     if hub.is_hub_id(str(model_dir)):
         model_dir = hub.hub_model_dir(str(model_dir), revision)
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        return config_snapshot.load_tokenizer(Path(model_dir), cache_dir())
     except Exception as e:
         raise ModelLoadError(
             f"tokenizer: cannot load a tokenizer from {str(model_dir)!r}: {type(e).__name__}: {e}"

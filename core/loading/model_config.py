@@ -20,6 +20,7 @@ import torch
 from paged.core.config import EngineConfig
 from paged.core.errors import ConfigError, ModelLoadError
 from paged.core.hookspecs import ModelSpec
+from paged.core.loading import config_snapshot
 from paged.core.loading.loader import get_dtype, load_hf_config, model_architecture, resolve_model_dir
 from paged.core.model import AttentionShape, model_attention_shape
 
@@ -72,12 +73,20 @@ def _max_model_len(setting: int | None, hf_config: Any) -> int:
     return setting
 
 
+def _bundled(spec: ModelSpec) -> bool:
+    """Whether the architecture is one of paged's own (``paged.models``), whose code reads the
+    config only through attributes a snapshot holds."""
+    return getattr(spec.factory, "__module__", "").startswith("paged.models.")
+
+
 def resolve_model(config: EngineConfig, registry: Any, device: torch.device | str) -> ResolvedModel:
     """Resolve ``config.model`` against the local files and the registered architectures."""
     model_dir = resolve_model_dir(config.model.model, config.model.revision)
     hf_config = load_hf_config(model_dir)
     architecture = model_architecture(hf_config)
     spec = registry.model(architecture)
+    if not _bundled(spec):  # a plugin's model sees the transformers config itself, as it always has
+        hf_config = config_snapshot.real(hf_config)
     check = getattr(spec.factory, "check_config", None)
     if check is not None:
         check(hf_config)

@@ -11,7 +11,7 @@ exactly those slices and names every missing, unexpected and mis-shaped tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -104,3 +104,36 @@ def load_checkpoint(
         if mismatched:
             parts.append(f"shape mismatches ({len(mismatched)}): {_listing(mismatched, 6)}")
         raise ModelLoadError(f"{architecture}: the checkpoint does not fit the model: " + "; ".join(parts))
+
+
+def split_fused_rows(
+    weights: Iterable[tuple[str, torch.Tensor]], fused: dict[str, list[tuple[str, int]]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint that stores projections fused by rows (Phi-3's ``qkv_proj`` and
+    ``gate_up_proj``) as the separate tensors a model's layers declare (``q_proj``, ``k_proj``,
+    ``v_proj``; ``gate_proj``, ``up_proj``), so each layer's ``checkpoint_slices`` (and so its
+    tensor-parallel share and quantization) apply unchanged.
+
+    ``fused`` maps a module name to its parts in row order, ``(part name, rows)``: the tensor
+    ``{prefix}{module}.{kind}`` (weight or bias) is yielded as ``{prefix}{part}.{kind}`` for each
+    part, narrowed along rows (views: the rows of a memory-mapped tensor that this rank never
+    copies are never read). Every other tensor passes unchanged, so a checkpoint already split
+    loads too. Raises ModelLoadError when a fused tensor's rows are not the sum of its parts'.
+    """
+    for name, tensor in weights:
+        base, dot, kind = name.rpartition(".")
+        prefix, _, module = base.rpartition(".")
+        parts = fused.get(module) if dot else None
+        if parts is None:
+            yield name, tensor
+            continue
+        rows = sum(n for _, n in parts)
+        if tensor.dim() < 1 or tensor.shape[0] != rows:
+            raise ModelLoadError(
+                f"{name}: a fused {module} of shape {tuple(tensor.shape)}, expected {rows} rows "
+                f"({' + '.join(f'{part} {n}' for part, n in parts)})"
+            )
+        start = 0
+        for part, n in parts:
+            yield f"{prefix}.{part}.{kind}" if prefix else f"{part}.{kind}", tensor.narrow(0, start, n)
+            start += n

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of ``AsyncLLM``.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as server-sent
-events or not), ``GET /v1/models``, ``GET /health`` (503 until the engine core is ready and
+events or not), ``POST /v1/responses`` with ``GET``/``DELETE /v1/responses/{id}`` and
+``POST /v1/responses/{id}/cancel`` (``paged.core.server.responses``), ``POST /tokenize`` and
+``POST /detokenize`` (vLLM's shapes), ``GET /v1/models``, ``GET /health`` (503 until the engine core is ready and
 whenever it is dead), ``GET /metrics`` (Prometheus text), ``GET /version`` and
 ``GET /debug/engine`` (core pid, KV blocks free / total, running / waiting requests).
 When the engine core dies the server exits non-zero or restarts the engine
@@ -43,6 +45,9 @@ from paged.core.server.guard import Guard, read_json
 from paged.core.server.protocol import TENANT_HEADER, tenant_header
 from paged.core.server.state import ServerState
 from paged.core.server.streaming import unless_disconnected
+from paged.core.server import responses
+from paged.core.server.responses import ResponseStore
+from paged.core.server.tokenize import detokenize, tokenize
 
 logger = logging.getLogger("paged")
 
@@ -164,6 +169,34 @@ def build_app(config: EngineConfig, start_timeout: float = 600.0,
         body = await read_json(request, config.server.max_body_bytes)
         tenant = tenant_header(request.headers.get(TENANT_HEADER))
         return await unless_disconnected(request, chat(state, body, tenant))
+
+    response_store = ResponseStore(config.server.max_stored_responses)
+
+    @app.post("/v1/responses")
+    async def responses_route(request: Request):
+        body = await read_json(request, config.server.max_body_bytes)
+        tenant = tenant_header(request.headers.get(TENANT_HEADER))
+        return await unless_disconnected(request, responses.create(state, response_store, body, tenant))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response_route(response_id: str):
+        return await responses.retrieve(state, response_store, response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response_route(response_id: str):
+        return await responses.cancel(state, response_store, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response_route(response_id: str):
+        return await responses.delete(state, response_store, response_id)
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        return await tokenize(state, await read_json(request, config.server.max_body_bytes))
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        return await detokenize(state, await read_json(request, config.server.max_body_bytes))
 
     return app
 

@@ -83,51 +83,59 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 async def chat(state: ServerState, body: Any, tenant: str | None = None) -> Response:
     try:
         req, llm = accept(state, ChatCompletionRequest, body)
-        tools = check_tools(req.tools) if req.tools is not None else None
-        tool_mode, tool_name = tool_choice_mode(req.tool_choice, tools)
-        validate = llm.input_processor.validate_structured_output
-        constraint = structured_output_of(req, req.response_format, validate)
-        forced = tool_constraint(tool_mode, tool_name, tools, req.parallel_tool_calls is not False) if tools else None
-        if forced is not None:
-            if constraint is not None:
-                raise invalid(f"tool_choice: {req.tool_choice!r} cannot be combined with another structured-output "
-                              "constraint (response_format, structured_outputs, guided_*)", "tool_choice")
-            try:
-                validate(forced)
-            except InvalidRequestError as e:
-                raise invalid(f"tools: a function's parameters cannot be used as a constraint: {e}", "tools") from None
-            constraint = forced
-        if req.top_logprobs is not None and not req.logprobs:
-            raise invalid("top_logprobs: requires logprobs to be true", "top_logprobs")
-        check_limits(req, state.config.server, 1)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        if max_tokens is None:
-            max_tokens = llm.default_sampling.get("max_tokens")  # the model's max_new_tokens, if it sets one
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        try:
-            params = sampling_params(req, max_tokens, logprobs, llm.default_sampling)
-        except InvalidRequestError as e:
-            msg = str(e)
-            if req.logprobs and msg.startswith("logprobs:"):
-                raise invalid("top_logprobs:" + msg[len("logprobs:"):], "top_logprobs") from None
-            raise
-        if constraint is not None:
-            params = params.copy(structured_output=constraint)
-        if not req.messages:
-            raise invalid("messages: must not be empty", "messages")
-        if forced is not None:
-            try:
-                await validate.check_async(forced, llm.model_info)
-            except InvalidRequestError as e:
-                raise invalid(f"tools: a function's parameters cannot be used as a constraint: {e}", "tools") from None
-        elif constraint is not None:
-            await check_compiles(llm, constraint, constraint_field(req, req.response_format))
-        prompt = await state.inputs.render_chat(chat_messages(req.messages), tools if tool_mode != "none" else None)
-        # the model family's parser, found at start-up (only a request with tools needs it)
-        shaper = ToolCallShaper(tool_mode, tool_name, state.tool_parser if tool_mode != "none" else None)
+        prompt, params, shaper = await prepare_chat(state, req, llm)
     except Exception as e:
         return from_exception(e).response()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await respond(state, ChatFormat(state.tokens, shaper), f"chatcmpl-{uuid.uuid4().hex}", [prompt], params,
                          req.priority, False, req.stream, include_usage, state.config.server.chat_default_max_tokens,
                          tenant=req.user or tenant, deadline_s=req.deadline_s, llm=llm)
+
+
+async def prepare_chat(state: ServerState, req: ChatCompletionRequest, llm) -> tuple[str, Any, ToolCallShaper]:
+    """A validated chat request's prompt (rendered by the template), sampling parameters (with
+    any structured-output or tool constraint) and tool-call shaper; raises a 400 for what is
+    wrong (also what /v1/responses turns its requests into)."""
+    tools = check_tools(req.tools) if req.tools is not None else None
+    tool_mode, tool_name = tool_choice_mode(req.tool_choice, tools)
+    validate = llm.input_processor.validate_structured_output
+    constraint = structured_output_of(req, req.response_format, validate)
+    forced = tool_constraint(tool_mode, tool_name, tools, req.parallel_tool_calls is not False) if tools else None
+    if forced is not None:
+        if constraint is not None:
+            raise invalid(f"tool_choice: {req.tool_choice!r} cannot be combined with another structured-output "
+                          "constraint (response_format, structured_outputs, guided_*)", "tool_choice")
+        try:
+            validate(forced)
+        except InvalidRequestError as e:
+            raise invalid(f"tools: a function's parameters cannot be used as a constraint: {e}", "tools") from None
+        constraint = forced
+    if req.top_logprobs is not None and not req.logprobs:
+        raise invalid("top_logprobs: requires logprobs to be true", "top_logprobs")
+    check_limits(req, state.config.server, 1)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_tokens is None:
+        max_tokens = llm.default_sampling.get("max_tokens")  # the model's max_new_tokens, if it sets one
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    try:
+        params = sampling_params(req, max_tokens, logprobs, llm.default_sampling)
+    except InvalidRequestError as e:
+        msg = str(e)
+        if req.logprobs and msg.startswith("logprobs:"):
+            raise invalid("top_logprobs:" + msg[len("logprobs:"):], "top_logprobs") from None
+        raise
+    if constraint is not None:
+        params = params.copy(structured_output=constraint)
+    if not req.messages:
+        raise invalid("messages: must not be empty", "messages")
+    if forced is not None:
+        try:
+            await validate.check_async(forced, llm.model_info)
+        except InvalidRequestError as e:
+            raise invalid(f"tools: a function's parameters cannot be used as a constraint: {e}", "tools") from None
+    elif constraint is not None:
+        await check_compiles(llm, constraint, constraint_field(req, req.response_format))
+    prompt = await state.inputs.render_chat(chat_messages(req.messages), tools if tool_mode != "none" else None)
+    # the model family's parser, found at start-up (only a request with tools needs it)
+    shaper = ToolCallShaper(tool_mode, tool_name, state.tool_parser if tool_mode != "none" else None)
+    return prompt, params, shaper

@@ -32,7 +32,8 @@ class PromptInputs:
             raise invalid(f"{field}: {num_chars} characters cannot fit in max_model_len ({self.max_model_len}) "
                           "tokens; shorten the prompt")
 
-    async def _run(self, fn, *args) -> Any:
+    async def run(self, fn, *args) -> Any:
+        """``fn(*args)`` on the tokenizer's thread."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     async def tokenize(self, prompts: list[str | list[int]], add_special_tokens: bool) -> list[list[int] | None]:
@@ -44,7 +45,7 @@ class PromptInputs:
         if not texts:
             return [None] * len(prompts)
         tokenizer = self.llm.tokenizer
-        ids = await self._run(lambda: [tokenizer(t, add_special_tokens=add_special_tokens)["input_ids"]
+        ids = await self.run(lambda: [tokenizer(t, add_special_tokens=add_special_tokens)["input_ids"]
                                        for t in texts])
         if not all(ids):
             raise invalid("prompt: must not be empty (a prompt has no tokens)")
@@ -54,7 +55,7 @@ class PromptInputs:
     async def render_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> str:
         self.check_length("messages", sum(len(m["content"]) for m in messages))
         try:
-            return await self._run(self.llm.apply_chat_template, messages, tools)
+            return await self.run(self.llm.apply_chat_template, messages, tools)
         except InvalidRequestError:
             raise
         except (TypeError, ValueError, KeyError, IndexError) as e:

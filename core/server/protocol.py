@@ -14,11 +14,11 @@ from paged.core.frontend.processor import MAX_TENANT_LEN
 from paged.core.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from paged.core.server.errors import invalid
 
-_STRICT = ConfigDict(extra="forbid", strict=True)
+STRICT_MODEL = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT_MODEL
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
@@ -26,7 +26,7 @@ class StreamOptions(BaseModel):
 class CommonRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = _STRICT
+    model_config = STRICT_MODEL
     model: str | None = None
     n: int = 1
     max_tokens: int | None = None
@@ -45,6 +45,8 @@ class CommonRequest(BaseModel):
     repetition_penalty: float | None = None
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -75,7 +77,7 @@ class ChatMessage(BaseModel):
     """One message. ``developer`` is OpenAI's newer name for ``system`` and is rendered as one.
     The fields a client echoes back from an assistant message are accepted and not rendered."""
 
-    model_config = _STRICT
+    model_config = STRICT_MODEL
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -143,7 +145,7 @@ def check_limits(req: CommonRequest, limits: ServerConfig, num_prompts: int) -> 
     if req.n > 0 and req.n * num_prompts > limits.max_samples_per_request:
         raise invalid(f"n: n x prompts = {req.n} x {num_prompts} exceeds {limits.max_samples_per_request} "
                       "(server.max_samples_per_request)")
-    for name in ("stop", "stop_token_ids"):
+    for name in ("stop", "stop_token_ids", "bad_words"):
         value = getattr(req, name)
         if isinstance(value, list) and len(value) > limits.max_stop:
             raise invalid(f"{name}: {len(value)} entries; at most {limits.max_stop} (server.max_stop)")
@@ -156,14 +158,17 @@ def sampling_params(req: CommonRequest, max_tokens: int | None, logprobs: int | 
     if req.stream_options is not None and not req.stream:
         raise invalid("stream_options: only allowed when stream is true")
     if req.logit_bias:
-        raise invalid("logit_bias: not supported")
+        bad_keys = [k for k in req.logit_bias if not k.strip().isdigit()]
+        if bad_keys:
+            raise invalid(f"logit_bias: key {short_repr(bad_keys[0])} is not a token id (a string of digits, "
+                          "as OpenAI's API takes them)", "logit_bias")
     kw: dict[str, Any] = {k: v for k, v in (defaults or {}).items() if k != "max_tokens"}
     kw.update(
         n=req.n, max_tokens=max_tokens, logprobs=logprobs, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
         include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
     )
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "stop", "stop_token_ids"):
+                 "repetition_penalty", "stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words"):
         value = getattr(req, name)
         if value is not None:
             kw[name] = value

@@ -194,3 +194,64 @@ def test_auto_prefers_flashinfer_on_cuda(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("flashinfer", "triton")
                         else real(name, *a))
     assert resolve_plugins(load_config(), device="cuda").attention.name == "torch"
+
+
+# ---- per-layer settings: window, soft-cap, scale in the plan -----------------------------------
+
+
+def test_window_leaves_out_the_pages_no_query_sees():
+    # page size 4, window 6. decodes: 13 cached + 1 -> 14 tokens in [7, 3, 1, 9]: the query at 13
+    # sees 8..13, so pages 0 and 1 (0..7) are left out; 5 + 1 -> 6 in [4, 2]: sees 0..5, nothing out.
+    # prefill: 10 cached + 4 new -> 14 in [2, 8, 5, 6]: the first query (10) sees 5..: page 0 out;
+    # a fresh prompt of 9 in [10, 11, 12]: nothing out
+    from paged.core.attention import AttentionSettings
+
+    tables = [[7, 3, 1, 9], [4, 2], [2, 8, 5, 6], [10, 11, 12]]
+    batch = make_batch(tables, [13, 5, 10, 0], [1, 1, 4, 9], block_size=4)
+    assert as_lists(fi.decode_plan_arrays(batch, 4, window=6), batch.block_table) == {
+        "kv_indptr": [0, 2, 4],
+        "kv_indices": [1, 9, 4, 2],
+        "kv_last_page_len": [2, 2],  # the KV lengths FlashInfer sees: 6 (8..13) and 6
+    }
+    assert as_lists(fi.prefill_plan_arrays(batch, 4, window=6), batch.block_table) == {
+        "qo_indptr": [0, 4, 13],
+        "kv_indptr": [0, 3, 6],
+        "kv_indices": [8, 5, 6, 10, 11, 12],
+        "kv_last_page_len": [2, 1],
+    }
+    # without a window (or one wider than every context) nothing is left out
+    assert fi.decode_plan_arrays(batch, 4, window=100).kv_indptr.tolist() == [0, 4, 6]
+
+    layout = AttentionLayout(1, 4, 2, 64, 4, torch.bfloat16, torch.device("cpu"))
+    assert fi.plan_options(layout, AttentionSettings()) == {"sm_scale": 64**-0.5, "window_left": -1,
+                                                            "logits_soft_cap": None}
+    assert fi.plan_options(layout, AttentionSettings(6, 50.0, 0.25)) == {"sm_scale": 0.25, "window_left": 5,
+                                                                         "logits_soft_cap": 50.0}
+
+
+class RecordingWrapper:
+    """Stands for a FlashInfer wrapper: records what ``plan`` got."""
+
+    def __init__(self):
+        self.calls = []
+
+    def plan(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+
+
+def test_plan_step_passes_the_layer_settings_to_both_wrappers():
+    from paged.core.attention import AttentionSettings
+
+    layout = AttentionLayout(1, 4, 2, 64, 4, torch.bfloat16, torch.device("cpu"))
+    batch = make_batch([[7, 3, 1, 9], [2, 8, 5, 6]], [13, 10], [1, 4], block_size=4)
+    decode, prefill = RecordingWrapper(), RecordingWrapper()
+    d_arrays, p_arrays = fi.plan_step(layout, batch, AttentionSettings(6, 30.0, 0.2), decode, prefill)
+    (d_args, d_kw), = decode.calls
+    (p_args, p_kw), = prefill.calls
+    assert d_args[1].tolist() == [1, 9] and p_args[2].tolist() == [8, 5, 6]  # only the pages in the window
+    assert d_args[3:] == p_args[4:] == (4, 2, 64, 4)  # heads, kv heads, head dim, page size
+    for kw in (d_kw, p_kw):
+        assert (kw["sm_scale"], kw["window_left"], kw["logits_soft_cap"]) == (0.2, 5, 30.0)
+        assert kw["q_data_type"] == kw["kv_data_type"] == torch.bfloat16
+    assert p_kw["causal"] is True
+    assert d_arrays.kv_indptr.tolist() == [0, 2] and p_arrays.qo_indptr.tolist() == [0, 4]

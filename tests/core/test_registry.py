@@ -183,7 +183,7 @@ def test_paged_plugins_lists_text_and_json():
     data = json.loads(_paged(["plugins", "--json"]).stdout)
     names = {p["name"]: p for p in data["plugins"]}
     assert names["attention"]["provides"] == {"attention_backends": ["torch", "triton", "flashinfer"]}
-    assert names["models"]["provides"]["models"] == ["LlamaForCausalLM", "Qwen2ForCausalLM"]
+    assert names["models"]["provides"]["models"] == ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"]
 
 
 @pytest.fixture(scope="module")

@@ -328,7 +328,7 @@ def test_plugin_registers_both_architectures():
     assert registry.model("LlamaForCausalLM").factory is LlamaForCausalLM
     assert registry.model("Qwen2ForCausalLM").factory is Qwen2ForCausalLM
     with pytest.raises(ConfigError, match="LlamaForCausalLM"):
-        registry.model("MistralForCausalLM")
+        registry.model("NoSuchForCausalLM")
 
 
 # ---- errors ------------------------------------------------------------------------------------
@@ -393,8 +393,8 @@ def test_ignored_tensors(hf_models):
 
 
 def test_unknown_rope_type_is_a_clear_error():
-    yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}
-    config = transformers.LlamaConfig(**BASE, num_hidden_layers=1, rope_scaling=yarn)
+    unknown = {"rope_type": "nonesuch", "factor": 2.0}
+    config = transformers.LlamaConfig(**BASE, num_hidden_layers=1, rope_scaling=unknown)
     backend = TorchAttentionBackend(AttentionLayout(1, 4, 2, 16, BLOCK_SIZE, torch.float32, torch.device("cpu")))
-    with pytest.raises(ModelLoadError, match="rope_type 'yarn' is not supported"):
+    with pytest.raises(ModelLoadError, match="rope_type 'nonesuch' is not supported.*yarn, longrope"):
         LlamaForCausalLM(config, backend, torch.float32, "cpu")

@@ -272,3 +272,41 @@ def test_the_cache_folder_follows_the_options_and_can_be_turned_off(default_mode
     assert cache_folder(default_model_dir, {"int4": (spec, Int4Options())}, torch.float32, cpu) != a
     monkeypatch.setenv(CACHE_ENV, "0")
     assert cache_folder(default_model_dir, {"int4": (spec, Int4Options())}, torch.bfloat16, cpu) is None
+
+
+def test_a_cached_gguf_weight_is_read_back_without_stacking_its_block_scales(tmp_path, monkeypatch):
+    """A fused weight (q and k parts, each with its GGUF blocks) quantized once is read back on
+    the next start before its scales are assembled (``BlockScales.stack``: most of a warm
+    start's quantize time), and gives the same products as the weight made from the blocks."""
+    from helpers.gguf_blocks import block_scales, gguf_dequantized, random_blocks
+
+    from paged.core.loading.quantize import Quantizer
+    from paged.core.quantization import BlockScales
+
+    class _Part:
+        dim, src_start = 0, 0
+
+        def __init__(self, dest_start: int, length: int) -> None:
+            self.dest_start, self.length = dest_start, length
+
+    kind, cols = "q4_k", 256
+    scales, dense = {}, []
+    for i, name in enumerate(("q_proj.weight", "k_proj.weight")):
+        blocks = random_blocks(kind, 32, cols, seed=i)
+        scales[name] = block_scales(blocks, kind, 32, cols)
+        dense.append(torch.from_numpy(gguf_dequantized(blocks, kind, 32, cols)))
+    weight = torch.cat(dense).to(torch.bfloat16)
+    slices = {"q_proj.weight": _Part(0, 32), "k_proj.weight": _Part(32, 32)}
+    spec = get_registry().quantization_method("gguf")
+    methods = {"gguf": (spec, spec.options())}
+
+    made = Quantizer(methods, None, scales, tmp_path)(weight, slices)
+    assert made is not None
+    monkeypatch.setattr(BlockScales, "stack", staticmethod(lambda *a: pytest.fail("stacked on a cache hit")))
+    second = Quantizer(methods, None, scales, tmp_path)
+    read = second(torch.empty_like(weight), slices)
+    assert second.cache_hits == 1 and second.counts == {"gguf": 1}
+    x = torch.randn(3, cols).to(torch.bfloat16)
+    assert torch.equal(read.linear(x, None), made.linear(x, None))
+    reference = x.double() @ torch.cat(dense).double().T  # gguf's own dequantization, float64
+    assert torch.allclose(read.linear(x, None).double(), reference, rtol=0.02, atol=0.02)

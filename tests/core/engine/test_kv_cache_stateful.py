@@ -9,6 +9,9 @@ wrote the block. Each step "writes" the scheduled tokens of every scheduled requ
 table. A prefix-cache hit must give the request blocks whose whole context is its own (so a hit
 across different salts or different earlier tokens fails), and the product's block hashes are
 treated as opaque keys: one hash never stands for two contexts. Nothing here recomputes a hash.
+With a sliding window (``WINDOW``: every layer of the model windowed), blocks out of it become
+placeholders: only blocks wholly before ``num_computed_tokens - WINDOW + 1`` may be, and the
+slots checked are those a later query can still read.
 
 Steering (so that the interesting paths are common, not rare): block counts and max_model_len are
 sized together so most requests fit; prompts start with a prefix of one of two stems drawn at setup
@@ -24,7 +27,7 @@ from hypothesis import HealthCheck, event, settings, target
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from paged.core.errors import InvalidRequestError, RequestRejectedError
-from paged.core.engine.kv_cache_manager import KVCacheManager
+from paged.core.engine.kv_cache_manager import PLACEHOLDER_BLOCK, KVCacheManager
 from paged.core.utils import cdiv
 from paged.core.engine.request import Request, RequestStatus
 from paged.core.sampling_params import SamplingParams
@@ -61,6 +64,7 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     POLICY = "fcfs"
     CACHING = True
+    WINDOW: int | None = None  # the KV manager's sliding window (None: a global layer)
 
     @initialize(
         block_size=st.integers(2, 4),
@@ -89,7 +93,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         else:
             pol = POLICIES[policy]()
         self.policy = pol
-        self.kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_caching=caching, sliding_window=self.WINDOW)
         self.bs = block_size
         self.sched = Scheduler(
             pol,
@@ -108,6 +112,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.context: dict[int, tuple] = {}  # block id -> (salt, tokens up to the block's end)
         self.hash_context: dict[object, tuple] = {}  # product hash (opaque) -> context it stood for
         self.clock = 0.0
+        self.saw_placeholder = False  # a block was freed out of the window (WINDOW only)
         self.ended: set[str] = set()
         # block id -> (hash, context) when last checked while a request held it
         self.verified: dict[int, tuple[object, tuple]] = {}
@@ -326,7 +331,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         # Ref counts = number of block tables holding the block (each table holds it once).
         holders: dict[int, int] = {}
         for rid, table in kv.block_tables.items():
-            ids = [b.block_id for b in table]
+            ids = [b.block_id for b in table if b is not PLACEHOLDER_BLOCK]
             assert len(ids) == len(set(ids)), f"{rid} holds a block twice"
             for i in ids:
                 holders[i] = holders.get(i, 0) + 1
@@ -359,14 +364,25 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert r.status == RequestStatus.RUNNING
             table = kv.block_tables.get(r.request_id, [])
             assert len(table) == cdiv(r.num_computed_tokens, bs), (r.request_id, len(table), r.num_computed_tokens)
-            held_slots.update((table[p // bs].block_id, p % bs) for p in range(r.num_computed_tokens))
+            # Placeholders only where no later query (at num_computed_tokens or after) can read.
+            live = 0 if self.WINDOW is None else max(0, r.num_computed_tokens - self.WINDOW + 1)
+            for j, b in enumerate(table):
+                if b is PLACEHOLDER_BLOCK:
+                    assert (j + 1) * bs <= live, f"{r.request_id} block {j}: a placeholder inside the window"
+                    self.saw_placeholder = True
+            held_slots.update((table[p // bs].block_id, p % bs) for p in range(r.num_computed_tokens)
+                              if table[p // bs] is not PLACEHOLDER_BLOCK)
             # Every computed slot holds this request's token (prefix hits included).
             for pos in range(r.num_computed_tokens):
+                if table[pos // bs] is PLACEHOLDER_BLOCK:
+                    continue
                 got = self.contents.get(table[pos // bs].block_id, {}).get(pos % bs)
                 assert got == r.all_token_ids[pos], f"{r.request_id} pos {pos}: {got} != {r.all_token_ids[pos]}"
             # Every full computed block (own or a prefix hit) was written in this request's whole
             # context: same salt, same tokens from the sequence start.
             for j in range(r.num_computed_tokens // bs):
+                if table[j] is PLACEHOLDER_BLOCK:
+                    continue
                 expected = (r.cache_salt, tuple(r.all_token_ids[: (j + 1) * bs]))
                 assert self.context.get(table[j].block_id) == expected, f"{r.request_id} block {j}: foreign context"
             # Only full, computed blocks are cached; a hash stands for one context only.
@@ -387,7 +403,8 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert not kv.block_tables.get(r.request_id)
         # Tokens held (shared prefix slots once) never exceed the capacity.
         assert len(held_slots) <= kv.num_blocks * bs
-        assert len({b.block_id for t in kv.block_tables.values() for b in t}) <= kv.num_blocks
+        real = {b.block_id for t in kv.block_tables.values() for b in t if b is not PLACEHOLDER_BLOCK}
+        assert len(real) <= kv.num_blocks
         if not sched.requests:
             assert pool.get_num_free_blocks() == pool.num_blocks
         if isinstance(self.policy, AdversarialPolicy):  # the views it was given are read-only
@@ -414,6 +431,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         event(f"admitted a request: {self.num_admitted > 0}")
         event(f"preempted: {self.num_preempted > 0}")
         event(f"prefix hit: {self.num_hit_tokens > 0}")
+        if self.WINDOW is not None:
+            event(f"freed a block out of the window: {self.saw_placeholder}")
         pool = self.kv.block_pool
         assert pool.get_num_free_blocks() == pool.num_blocks
         assert all(b.ref_cnt == 0 for b in pool.blocks)
@@ -428,8 +447,10 @@ SETTINGS = settings(
 )
 
 
-def _test_case(policy: str, caching: bool):
-    machine = type(f"KVCacheMachine_{policy}_{caching}", (KVCacheMachine,), {"POLICY": policy, "CACHING": caching})
+def _test_case(policy: str, caching: bool, window: int | None = None):
+    name = f"KVCacheMachine_{policy}_{caching}" + (f"_window{window}" if window else "")
+    machine = type(name, (KVCacheMachine,),
+                   {"POLICY": policy, "CACHING": caching, "WINDOW": window})
     case = machine.TestCase
     case.settings = SETTINGS
     return case
@@ -450,3 +471,7 @@ TestSLODeferCaching = _test_case("slo-defer", True)
 TestAdversarialCaching = _test_case("adversarial", True)
 TestAdversarialNoCaching = _test_case("adversarial", False)
 TestAdversarialGroupedCaching = _test_case("adversarial-grouped", True)
+# Every layer windowed: blocks out of the window go back to the pool (placeholders in the table).
+TestFCFSCachingWindow = _test_case("fcfs", True, 3)
+TestFCFSNoCachingWindow = _test_case("fcfs", False, 5)
+TestAdversarialCachingWindow = _test_case("adversarial", True, 4)

@@ -476,3 +476,49 @@ def test_any_integer_seed_is_accepted():
     reqs = [make_req("neg", seed=-5), make_req("huge", seed=2**80 + 3)]
     out = Sampler(100, "cpu").sample(logits, reqs)
     assert len(out.token_ids) == 2
+
+
+# ------------------------------------------- logit bias, allowed tokens, bad words
+
+
+def test_logit_bias_is_added_before_logprobs_and_the_choice():
+    """Against plain Python: the logprobs are log_softmax(logits + bias), the greedy pick its argmax."""
+    torch.manual_seed(5)
+    logits = torch.randn(3, 12)
+    biases = [{3: 100.0}, {0: -100.0, 5: 2.5, 11: -0.75}, {}]
+    reqs = [make_req(f"b{i}", temperature=0.0, logprobs=12, logit_bias=b or None) for i, b in enumerate(biases)]
+    out = Sampler(12, "cpu").sample(logits, reqs)
+    for i, bias in enumerate(biases):
+        row = [float(x) + bias.get(t, 0.0) for t, x in enumerate(logits[i])]
+        assert out.token_ids[i] == max(range(12), key=lambda t: row[t])
+        got = dict(out.logprobs[i].top)
+        for t, expected in enumerate(_log_softmax(row)):
+            assert got[t] == pytest.approx(expected, abs=1e-5)
+    assert out.token_ids[0] == 3
+
+
+def test_allowed_token_ids_leave_only_those_tokens():
+    torch.manual_seed(6)
+    allowed = [2, 5, 9]
+    logits = torch.randn(400, 10)
+    reqs = [make_req(f"a{i}", temperature=1.0, allowed_token_ids=allowed) for i in range(399)]
+    reqs.append(make_req("plain", temperature=0.0))  # a row without the rule keeps its argmax
+    out = Sampler(10, "cpu", seed=1).sample(logits, reqs)
+    assert set(out.token_ids[:-1]) == set(allowed)  # every allowed token is drawn, nothing else
+    assert out.token_ids[-1] == int(logits[-1].argmax())
+    greedy = Sampler(10, "cpu").sample(logits[:1], [make_req("g", temperature=0.0, allowed_token_ids=allowed)])
+    assert greedy.token_ids == [max(allowed, key=lambda t: float(logits[0, t]))]
+
+
+@pytest.mark.parametrize("output,banned", [
+    ((), {4}),            # nothing generated yet: only the one-token word applies
+    ((1, 8), {4, 6}),     # the output ends with 8: "8 6" would complete, 6 is banned
+    ((8, 1), {4}),        # 8 is not last: 6 is fine
+    ((2, 3, 8), {4, 6, 9}),  # "3 8 9" is complete but for its last token
+])
+def test_bad_words_ban_the_token_that_would_complete_a_word(output, banned):
+    words = [[4], [8, 6], [3, 8, 9]]
+    logits = torch.zeros(1, 10)
+    req = make_req("w", output=output, temperature=0.0, logprobs=10, bad_words_token_ids=words)
+    lp = dict(Sampler(10, "cpu").sample(logits, [req]).logprobs[0].top)
+    assert {t for t, v in lp.items() if v == float("-inf")} == banned

@@ -164,6 +164,12 @@ TINY = {
         vocab_size=49155, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=1, max_position_embeddings=256, tie_word_embeddings=True, initializer_range=0.1,
         bos_token_id=1, eos_token_id=2),
+    # every layer slides over 5 positions (prompts are longer): each rank's heads honour the window
+    # and the KV manager frees the blocks behind it
+    "qwen2-sliding": lambda t: t.Qwen2Config(
+        vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True, initializer_range=0.1,
+        use_sliding_window=True, sliding_window=5, max_window_layers=0, bos_token_id=1, eos_token_id=2),
     # 6 query heads in 3 groups -> 2 groups and 1 group; odd MLP width (51 + 50 columns); the
     # row-parallel o_proj and down_proj biases must be added once
     "llama": lambda t: t.LlamaConfig(
@@ -177,7 +183,7 @@ def _tiny_model(name: str, tmp_path_factory, default_model_dir) -> Path:
     import transformers
 
     config = TINY[name](transformers)
-    config.architectures = ["Qwen2ForCausalLM" if name == "qwen2" else "LlamaForCausalLM"]
+    config.architectures = ["Qwen2ForCausalLM" if name.startswith("qwen2") else "LlamaForCausalLM"]
     torch.manual_seed(7)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # biases away from 0, so a bias added twice (or never) shows
@@ -193,7 +199,7 @@ def _tiny_model(name: str, tmp_path_factory, default_model_dir) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, tp", [("qwen2", 2), ("llama", 2), ("llama", 3)])
+@pytest.mark.parametrize("name, tp", [("qwen2", 2), ("qwen2-sliding", 2), ("llama", 2), ("llama", 3)])
 def test_tiny_models_several_ranks_match_one(name, tp, tmp_path_factory, default_model_dir):
     from paged import LLM, SamplingParams
 

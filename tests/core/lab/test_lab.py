@@ -362,3 +362,31 @@ def test_run_replay_rejects_requests_that_can_never_fit():
     _, _, policy = PolicyRun("fcfs").build()
     with pytest.raises(Exception, match="big"):
         run_replay(materialize(trace), SimExecutor(policy, settings), cost=CostModel.constant(0.01))
+
+
+def test_the_trace_recorder_keeps_constraints_and_logit_bias_and_never_stops_serving(tmp_path, caplog):
+    """A served request with a structured-output constraint and a logit bias is recorded so that
+    replaying reads the same sampling back; a request the trace cannot hold is logged and skipped
+    (it once failed the server's whole output handler)."""
+    from types import SimpleNamespace
+
+    from paged.core.lab.trace import TraceRecorder, read_trace
+    from paged.core.sampling_params import SamplingParams
+
+    def output(request_id):
+        return SimpleNamespace(request_id=request_id, prompt_token_ids=[1, 2, 3], metrics=None,
+                               outputs=[SimpleNamespace(token_ids=[4, 5], metrics=None)])
+
+    params = SamplingParams(max_tokens=5, structured_output={"json_object": True}, logit_bias={7: -2.5})
+    recorder = TraceRecorder(tmp_path / "t.jsonl", "test")
+    recorder.add("a", params, 0, "hi")
+    recorder.add("b", SamplingParams(stop=["x"]), 0, None)
+    recorder._pending["b"] = (object(), 0, None)  # parameters the trace cannot read
+    recorder.finish(output("b"))
+    recorder.finish(output("a"))
+    recorder.close()
+    (only,) = read_trace(tmp_path / "t.jsonl").requests
+    again = SamplingParams.from_dict(only.sampling)
+    assert (again.structured_output, again.logit_bias, again.max_tokens) == \
+        (params.structured_output, params.logit_bias, 5)
+    assert "request b not recorded" in caplog.text

@@ -2,6 +2,7 @@
 `openai` client (and httpx for what the client would not send)."""
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -145,6 +146,171 @@ def test_sampling_options(server, client, model_name, offline):
     r = client.completions.create(model=model_name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stop=[stop])
     assert r.choices[0].finish_reason == "stop" and stop not in r.choices[0].text
     assert full.startswith(r.choices[0].text)
+
+
+@pytest.mark.slow
+def test_logit_bias_allowed_token_ids_and_bad_words(server, client, model_name, offline, default_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir)  # the reference for token ids
+    prompt = "The capital of France is"
+    banana = tok(" banana", add_special_tokens=False)["input_ids"][-1]
+    r = client.completions.create(model=model_name, prompt=prompt, max_tokens=4, temperature=0,
+                                  logit_bias={str(banana): 100})
+    assert r.choices[0].text == tok.decode([banana] * 4)  # +100 wins every step
+    yes, no = (tok(w, add_special_tokens=False)["input_ids"][-1] for w in (" yes", " no"))
+    r = client.completions.create(model=model_name, prompt=prompt, max_tokens=6, temperature=1.0, seed=7,
+                                  extra_body={"allowed_token_ids": [yes, no]})
+    assert set(tok(r.choices[0].text, add_special_tokens=False)["input_ids"]) <= {yes, no}
+    # The greedy answer names Paris; with "Paris" a bad word it cannot, in completions or chat.
+    assert "Paris" in offline["completions"][prompt]
+    r = client.completions.create(model=model_name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                  extra_body={"bad_words": ["Paris"]})
+    assert "Paris" not in r.choices[0].text and r.choices[0].text != offline["completions"][prompt]
+    r = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": QUESTIONS[0]}],
+                                       max_tokens=MAX_TOKENS, temperature=0, extra_body={"bad_words": ["Paris"]})
+    assert "Paris" in offline["chat"][QUESTIONS[0]] and "Paris" not in r.choices[0].message.content
+    # Bad values: a 400 naming the field.
+    for body, field in [({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
+                        ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+                        ({"logit_bias": {"999999999": 1}}, "logit_bias"),
+                        ({"allowed_token_ids": [10**9]}, "allowed_token_ids"), ({"allowed_token_ids": []}, "allowed_token_ids"),
+                        ({"bad_words": [""]}, "bad_words")]:
+        resp = server.post("/v1/completions", {"model": model_name, "prompt": prompt, "max_tokens": 2, **body})
+        assert resp.status_code == 400, (body, resp.text)
+        assert resp.json()["error"]["message"].startswith(field), resp.json()
+
+
+@pytest.mark.slow
+def test_tokenize_and_detokenize_agree_with_the_tokenizer(server, model_name, default_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    text = "Hello, wörld! 12345 <|im_start|>"
+    r = server.post("/tokenize", {"model": model_name, "prompt": text, "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    ids = tok(text)["input_ids"]
+    assert r.json() == {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids,
+                        "token_strs": tok.convert_ids_to_tokens(ids)}
+    r = server.post("/tokenize", {"prompt": text, "add_special_tokens": False}).json()
+    assert r["tokens"] == tok(text, add_special_tokens=False)["input_ids"] and r["token_strs"] is None
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTIONS[0]}]
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    r = server.post("/tokenize", {"model": model_name, "messages": messages}).json()
+    assert r["tokens"] == tok(rendered, add_special_tokens=False)["input_ids"]
+    r = server.post("/detokenize", {"model": model_name, "tokens": ids})
+    assert r.status_code == 200 and r.json() == {"prompt": tok.decode(ids)}
+    for path, body, field in [("/tokenize", {"prompt": "a", "messages": messages}, "prompt"),
+                              ("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": 5}, "prompt"),
+                              ("/detokenize", {"tokens": [10**9]}, "tokens"), ("/detokenize", {"tokens": "x"}, "tokens"),
+                              ("/tokenize", {"prompt": "a", "model": "other"}, "model")]:
+        resp = server.post(path, body)
+        assert resp.status_code in (400, 404), (path, body, resp.text)
+        assert field in resp.json()["error"]["message"], resp.json()
+
+
+@pytest.mark.slow
+def test_responses_api_runs_as_the_equivalent_chat(server, client, model_name):
+    """/v1/responses through the official client; the reference is /v1/chat/completions on the
+    messages the Responses request stands for (instructions first, then the stored conversation)."""
+    def chat(messages, **kw):
+        return client.chat.completions.create(model=model_name, messages=messages, temperature=0, max_tokens=64,
+                                              **kw).choices[0]
+
+    system, q1, q2 = "Answer briefly.", QUESTIONS[0], "And of Germany?"
+    r1 = client.responses.create(model=model_name, input=q1, instructions=system, max_output_tokens=64, temperature=0)
+    c1 = chat([{"role": "system", "content": system}, {"role": "user", "content": q1}])
+    a1, status = c1.message.content, "incomplete" if c1.finish_reason == "length" else "completed"
+    assert r1.status == status and r1.output_text == a1 and a1 and r1.usage.output_tokens >= 1
+    assert [o.type for o in r1.output] == ["message"] and r1.output[0].content[0].type == "output_text"
+    r2 = client.responses.create(model=model_name, input=q2, previous_response_id=r1.id, max_output_tokens=64,
+                                 temperature=0)  # instructions are not carried over, as OpenAI does it
+    assert r2.output_text == chat([{"role": "user", "content": q1}, {"role": "assistant", "content": a1},
+                                   {"role": "user", "content": q2}]).message.content
+    assert client.responses.retrieve(r1.id).output_text == a1
+    # Streamed: the official events in order, numbered, adding up to the same text.
+    with client.responses.stream(model=model_name, input=q1, instructions=system, max_output_tokens=64,
+                                 temperature=0) as stream:
+        events = list(stream)
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          f"response.{status}"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == a1
+    assert events[-1].response.output[0].content[0].text == a1 and events[-1].response.id == events[0].response.id
+    # A forced function call, answered by its output in the next turn.
+    tools = [{"type": "function", "name": "get_weather", "description": "The weather in a city",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+    r3 = client.responses.create(model=model_name, input="What is the weather in Paris?", tools=tools,
+                                 tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=40,
+                                 temperature=0)
+    (call,) = r3.output
+    assert call.type == "function_call" and call.name == "get_weather" and set(json.loads(call.arguments)) == {"city"}
+    r4 = client.responses.create(model=model_name, previous_response_id=r3.id, tools=tools, max_output_tokens=16,
+                                 temperature=0, input=[{"type": "function_call_output", "call_id": call.call_id,
+                                                        "output": "Sunny, 21 C"}])
+    chat_tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in tools]
+    c4 = client.chat.completions.create(model=model_name, temperature=0, max_tokens=16, tools=chat_tools, messages=[
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C"}]).choices[0]
+    assert r4.status == ("incomplete" if c4.finish_reason == "length" else "completed")
+    assert r4.output_text == (c4.message.content or "")
+    assert [o.name for o in r4.output if o.type == "function_call"] == [t.function.name for t in c4.message.tool_calls or []]
+    # text.format: JSON that fits the schema.
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    r5 = client.responses.create(model=model_name, input="Name a city as JSON.", max_output_tokens=40, temperature=0,
+                                 text={"format": {"type": "json_schema", "name": "city", "schema": schema}})
+    assert set(json.loads(r5.output_text)) == {"city"}
+    # store=false: not kept; max_output_tokens: incomplete.
+    r6 = client.responses.create(model=model_name, input=q1, store=False, max_output_tokens=2, temperature=0)
+    assert r6.status == "incomplete" and r6.incomplete_details.reason == "max_output_tokens"
+    assert server.get(f"/v1/responses/{r6.id}").status_code == 404
+    client.responses.delete(r1.id)
+    assert server.get(f"/v1/responses/{r1.id}").status_code == 404
+    for body, field in [({"input": q1, "background": True}, "background"), ({"input": []}, "input"),
+                        ({"input": [{"type": "image", "url": "x"}]}, "input"),
+                        ({"input": q1, "tools": [{"type": "web_search"}]}, "tools"),
+                        ({"input": q1, "previous_response_id": r6.id}, "previous_response_id"),
+                        ({"input": q1, "max_output_tokens": 0}, "max_output_tokens"),
+                        ({"input": q1, "text": {"format": {"type": "yaml"}}}, "text.format")]:
+        resp = server.post("/v1/responses", {"model": model_name, **body})
+        assert resp.status_code == 400, (body, resp.text)
+        assert resp.json()["error"]["message"].startswith(field), resp.json()
+
+
+@pytest.mark.slow
+def test_a_streaming_response_can_be_cancelled(server, model_name):
+    import threading
+
+    import httpx
+
+    events: list[dict] = []
+
+    def read() -> None:
+        with httpx.stream("POST", server.url + "/v1/responses", timeout=120,
+                          headers={"Authorization": f"Bearer {API_KEY}"},
+                          json={"model": model_name, "input": "Write a long story about a dragon.",
+                                "max_output_tokens": 200, "temperature": 0, "stream": True}) as r:
+            events.extend(json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: "))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    wait_for(lambda: events or not reader.is_alive(), 120, "the stream to start")
+    wait_for(lambda: any(e["type"] == "response.output_text.delta" for e in events) or not reader.is_alive(), 120,
+             "the first text")
+    response_id = events[0]["response"]["id"]
+    r = server.post(f"/v1/responses/{response_id}/cancel", {})
+    assert r.status_code == 200 and r.json()["status"] == "cancelled"
+    reader.join(120)
+    assert events[-1]["response"]["status"] == "cancelled"
+    assert sum(e["type"] == "response.output_text.delta" for e in events) < 200
+    assert server.get(f"/v1/responses/{response_id}").json()["status"] == "cancelled"
+    assert server.post(f"/v1/responses/{response_id}/cancel", {}).status_code == 400  # finished now
 
 
 @pytest.mark.slow
