@@ -123,3 +123,43 @@ def weight_bytes(hf_config, itemsize: int) -> float:
 
 def fmt(x: float | None, digits: int = 1) -> str:
     return "n/a" if x is None else f"{x:,.{digits}f}"
+
+
+def save_random_models(folder: Path, configs: dict) -> dict[str, Path]:
+    """Each ``transformers`` config as a random bfloat16 model (seed 0) in ``folder/name`` with
+    the default model's tokenizer files (vocabulary 49152); name -> its folder."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from paged.core.loading.gguf import default_model_dir
+
+    tokenizer_dir = default_model_dir()
+    out = {}
+    for name, config in configs.items():
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        path = folder / name
+        model.save_pretrained(path)
+        for f in tokenizer_dir.iterdir():
+            if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
+                shutil.copy(f, path / f.name)
+        out[name] = path
+    return out
+
+
+def alternated_rounds(llms: dict, batches: list[int], rounds: int, tokens: int, tok_s) -> dict[int, dict[str, list[float]]]:
+    """batch -> name -> ``rounds`` figures of ``tok_s(llm, batch, tokens)``, the engines taking
+    turns round by round (so a slow spell of the machine falls on all of them), after one short
+    warm-up run each (first steps, kernel builds, caches)."""
+    results: dict[int, dict[str, list[float]]] = {}
+    for batch in batches:
+        for llm in llms.values():
+            tok_s(llm, batch, 4)
+        runs: dict[str, list[float]] = {name: [] for name in llms}
+        for _ in range(rounds):
+            for name, llm in llms.items():
+                runs[name].append(tok_s(llm, batch, tokens))
+        results[batch] = runs
+    return results

@@ -30,26 +30,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+import _bench  # noqa: E402
+
 COMMON = dict(vocab_size=49152, hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
               max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
               tie_word_embeddings=True)
 
 
-def _default_tokenizer_dir() -> Path:
-    from paged.core.loading.gguf import default_model_dir
-
-    return default_model_dir()
-
-
 def build_models(folder: Path) -> dict[str, Path]:
-    import torch
     import transformers
 
     configs = {
@@ -57,18 +52,7 @@ def build_models(folder: Path) -> dict[str, Path]:
                                           architectures=["MixtralForCausalLM"]),
         "dense": transformers.LlamaConfig(**COMMON, intermediate_size=2048, architectures=["LlamaForCausalLM"]),
     }
-    tokenizer_dir = _default_tokenizer_dir()
-    out = {}
-    for name, config in configs.items():
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-        path = folder / name
-        model.save_pretrained(path)
-        for f in tokenizer_dir.iterdir():
-            if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
-                shutil.copy(f, path / f.name)
-        out[name] = path
-    return out
+    return _bench.save_random_models(folder, configs)
 
 
 def _decode_tok_s(llm, batch: int, tokens: int) -> float:
@@ -164,15 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             return _report(results, args)
         llms = {name: LLM(str(path), device="cpu", dtype="bfloat16", max_num_seqs=max(args.batches))
                 for name, path in paths.items()}
-        results: dict[int, dict[str, list[float]]] = {}
-        for batch in args.batches:
-            for llm in llms.values():  # warm-up: first steps, kernel builds, caches
-                _decode_tok_s(llm, batch, 4)
-            runs: dict[str, list[float]] = {name: [] for name in llms}
-            for _ in range(args.rounds):
-                for name, llm in llms.items():
-                    runs[name].append(_decode_tok_s(llm, batch, args.tokens))
-            results[batch] = runs
+        results = _bench.alternated_rounds(llms, args.batches, args.rounds, args.tokens, _decode_tok_s)
         for llm in llms.values():
             llm.shutdown()
     return _report(results, args)

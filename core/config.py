@@ -147,6 +147,9 @@ class ServerConfig(_Section):
     max_stored_responses: int = Field(
         1000, ge=0, description="/v1/responses kept in memory for previous_response_id and GET (newest first)"
     )
+    reasoning_parser: Literal["auto", "qwen3", "none"] = Field(
+        "auto", description="chat responses: a <think> block as reasoning_content ('auto': for Qwen3 models)"
+    )
     chat_default_max_tokens: int | None = Field(
         None, gt=0, description="chat max_tokens when a request sets none (default: up to max_model_len)"
     )

@@ -1,4 +1,5 @@
-"""Bundled model architectures: ``LlamaForCausalLM`` and ``Qwen2ForCausalLM``."""
+"""Bundled model architectures: Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2/3 (text) and the
+sparse MoE Qwen2-MoE, Mixtral and Qwen3-MoE (the README's "Models" table)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def register_models():
         ModelSpec(
             "LlamaForCausalLM", LlamaForCausalLM, "Llama family incl. SmolLM (GQA; rope scaling linear, dynamic, yarn, llama3, longrope)"
         ),
-        ModelSpec("Qwen2ForCausalLM", Qwen2ForCausalLM, "Qwen2 / Qwen2.5 (q/k/v biases; no sliding window)"),
+        ModelSpec("Qwen2ForCausalLM", Qwen2ForCausalLM, "Qwen2 / Qwen2.5 (q/k/v biases; use_sliding_window honoured)"),
         ModelSpec("Qwen3ForCausalLM", Qwen3ForCausalLM, "Qwen3 dense (per-head q/k RMSNorm, explicit head_dim)"),
         ModelSpec("MistralForCausalLM", MistralForCausalLM, "Mistral (Llama layers, sliding window where set)"),
         ModelSpec("Phi3ForCausalLM", Phi3ForCausalLM,

@@ -96,8 +96,12 @@ def pytest_collection_modifyitems(config, items):
 def pytest_configure(config):
     # Workers share the cores: torch in each uses its share, not all of them (OpenMP threads
     # spinning on a core another worker's thread needs slow both down many times over).
+    # The environment carries the share to the processes the tests start (servers, engine cores,
+    # `paged run`): with all the cores each, they made a served test 10x slower under xdist than alone.
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
         import torch
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+        share = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(share)
+        torch.set_num_threads(share)

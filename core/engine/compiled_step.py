@@ -23,6 +23,7 @@ a start-up cost of 20-120 s on 2 cores (inductor's caches make later start-ups s
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import time
 from typing import Any
@@ -62,6 +63,27 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, layer: int, backend_id: int
 @paged_attention.register_fake
 def _(q, k, v, layer, backend_id, sliding_window=0, logits_soft_cap=0.0, scale=0.0):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+@functools.cache
+def _op_schema_in_cache_key() -> Any:
+    """A post-grad pass that changes nothing and puts the schemas of paged's ops into inductor's
+    cache key. Inductor's caches (in ``/tmp`` by default, kept across runs and
+    versions) key a graph by its own code, which names the op but not its arguments: a graph
+    compiled by a paged whose ops took other arguments would be reused and compute garbage.
+    Built on first use: importing ``torch._inductor`` takes seconds."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class OpSchemaInCacheKey(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            return None
+
+        def uuid(self) -> str:
+            # every op of paged's namespaces (attention, and the C++ kernels a graph may call)
+            schemas = sorted(str(s) for s in torch._C._jit_get_all_schemas() if s.name.startswith("paged"))
+            return hashlib.sha256("\n".join(schemas).encode()).hexdigest()
+
+    return OpSchemaInCacheKey()
 
 
 class OpaqueAttention:
@@ -105,7 +127,8 @@ class CompiledForward:
         self.max_tokens = max_tokens
         self.failed = False
         self._layers: list[int] = []  # what the model passes on to each layer's attention
-        options = self.DEFAULT_OPTIONS if options is None else options
+        options = dict(self.DEFAULT_OPTIONS if options is None else options)
+        options.setdefault("post_grad_custom_post_pass", _op_schema_in_cache_key())
         self._compiled = torch.compile(model, dynamic=True, options=options)
 
     def __call__(self, input_ids: Tensor, positions: Tensor, kv_caches: list, metadata: Any) -> Tensor:

@@ -177,8 +177,9 @@ class AsyncLLM:
         self._on_death = on_death
         self._ensure_handler()
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        return self.input_processor.apply_chat_template(messages, tools)
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            chat_template_kwargs: dict | None = None) -> str:
+        return self.input_processor.apply_chat_template(messages, tools, chat_template_kwargs)
 
     # --- requests ---------------------------------------------------------------------------
     async def add_request(

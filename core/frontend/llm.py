@@ -97,18 +97,20 @@ class LLM:
         tools: list[dict] | None = None,
         tool_choice: str | dict | None = None,
         use_tqdm: bool = True,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them, through the
         model's chat template. ``tools`` (OpenAI function tools) and ``tool_choice`` ("auto", the
         default with tools; "none"; "required"; or {"type": "function", "function": {"name": ...}})
         work as on the server: the template receives the tools, "required" and a named function are
         enforced by a JSON-schema constraint, and each output's ``tool_calls`` holds the parsed calls
-        (``ToolCall``: ``name``, JSON ``arguments``, ``id``); ``text`` stays the model's raw output."""
+        (``ToolCall``: ``name``, JSON ``arguments``, ``id``); ``text`` stays the model's raw output.
+        ``chat_template_kwargs``: more variables for the template, e.g. ``{"enable_thinking": False}``."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tools = check_tools(tools) if tools is not None else None
         mode, name = tool_choice_mode(tool_choice, tools)
         shown_tools = tools if mode != "none" else None
-        prompts = [self.engine.apply_chat_template(list(c), shown_tools) for c in conversations]
+        prompts = [self.engine.apply_chat_template(list(c), shown_tools, chat_template_kwargs) for c in conversations]
         params_list = _broadcast(sampling_params or self.get_default_sampling_params(), len(prompts), "sampling_params")
         forced = tool_constraint(mode, name, tools, parallel=True) if tools else None
         if forced is not None:

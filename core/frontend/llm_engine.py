@@ -58,8 +58,9 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.model_info.max_model_len
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        return self.input_processor.apply_chat_template(messages, tools)
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            chat_template_kwargs: dict | None = None) -> str:
+        return self.input_processor.apply_chat_template(messages, tools, chat_template_kwargs)
 
     def add_request(
         self,

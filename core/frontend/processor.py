@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from paged.core.constraint_check import ConstraintValidator
 from paged.core.engine.engine_core import ModelInfo
@@ -43,9 +43,12 @@ class InputProcessor:
         self.validate_structured_output = validate_structured_output
         self._renders_tools: bool | None = None
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            chat_template_kwargs: dict[str, Any] | None = None) -> str:
         """The prompt for a conversation; ``tools`` (OpenAI function tools) go to a template that
-        renders them, else into a Hermes-style system message (paged.core.frontend.tools)."""
+        renders them, else into a Hermes-style system message (paged.core.frontend.tools).
+        ``chat_template_kwargs``: more variables for the template (Qwen3's ``enable_thinking``)."""
+        extra = check_chat_template_kwargs(chat_template_kwargs)
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("messages: this model's tokenizer has no chat template")
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
@@ -56,7 +59,8 @@ class InputProcessor:
             messages = render_tool_messages(messages, tools, renders)
             if renders and tools:
                 kwargs["tools"] = tools
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra,
+                                                  **kwargs)
 
     def template_renders_tools(self) -> bool:
         """Whether the chat template shows ``tools`` (it changes the prompt); probed once."""
@@ -230,6 +234,27 @@ class OutputProcessor:
 
 
 MAX_TENANT_LEN = 256
+
+
+# apply_chat_template's own arguments: set by paged, never by a request's chat_template_kwargs
+_TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                                 "add_generation_prompt", "continue_final_message", "padding", "truncation",
+                                 "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                                 "tokenizer_kwargs"})
+
+
+def check_chat_template_kwargs(kwargs: Any) -> dict[str, Any]:
+    """``chat_template_kwargs`` as the template's extra variables ({} for None)."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
+        raise InvalidRequestError(f"chat_template_kwargs: must be an object whose keys are names, e.g. "
+                                  f"{{'enable_thinking': false}}; got {kwargs!r}")
+    taken = sorted(_TEMPLATE_ARGUMENTS.intersection(kwargs))
+    if taken:
+        raise InvalidRequestError(f"chat_template_kwargs: {taken[0]!r} is set by the server, not the request "
+                                  "(the template's own variables, such as enable_thinking, are accepted)")
+    return kwargs
 
 
 def check_request_metadata(tenant, deadline_s) -> None:

@@ -3,8 +3,8 @@
 parsers that turn the model's text into ``tool_calls``.
 
 Parsers are registered per model family (``TOOL_PARSERS``, keyed by the HF ``model_type``);
-``hermes`` (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, Qwen2.5's format) is
-the default. A chat template that does not render ``tools`` itself (SmolLM2's) gets the tools
+``hermes`` (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, Qwen2.5's and Qwen3's
+format) is the default; Mistral and Mixtral get ``[TOOL_CALLS]`` (``MistralToolParser``). A chat template that does not render ``tools`` itself (SmolLM2's) gets the tools
 in a system message in Hermes' wording, and tool calls / tool results rendered as Hermes text.
 """
 
@@ -175,7 +175,25 @@ def _with_argument_objects(message: dict[str, Any]) -> dict[str, Any]:
 
 
 # --- output side ---------------------------------------------------------------------------------
-class HermesToolParser:
+class ToolParser:
+    """A model family's tool-call format: ``feed(delta) -> (content delta, completed calls)``
+    while the output streams, ``finish()`` at its end, ``parse`` for a whole output."""
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+        raise NotImplementedError
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        raise NotImplementedError
+
+    @classmethod
+    def parse(cls, text: str) -> tuple[str, list[ToolCall]]:
+        parser = cls()
+        content, calls = parser.feed(text)
+        tail, more = parser.finish()
+        return (content + tail).strip(), calls + more
+
+
+class HermesToolParser(ToolParser):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks; the rest is content.
     ``feed`` (streaming) returns (content delta, completed calls); text that may be the start
     of a ``<tool_call>`` tag is held back until it is known."""
@@ -187,13 +205,6 @@ class HermesToolParser:
         self.in_call = False
         self.num_calls = 0
 
-    @classmethod
-    def parse(cls, text: str) -> tuple[str, list[ToolCall]]:
-        parser = cls()
-        content, calls = parser.feed(text)
-        tail, more = parser.finish()
-        return (content + tail).strip(), calls + more
-
     def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
         self.buffer += delta
         content, calls = "", []
@@ -201,7 +212,7 @@ class HermesToolParser:
             if not self.in_call:
                 at = self.buffer.find(self.OPEN)
                 if at < 0:
-                    keep = _prefix_overlap(self.buffer, self.OPEN)
+                    keep = prefix_overlap(self.buffer, self.OPEN)
                     content += self.buffer[: len(self.buffer) - keep]
                     self.buffer = self.buffer[len(self.buffer) - keep:]
                     return content, calls
@@ -227,7 +238,7 @@ class HermesToolParser:
         return rest, []
 
 
-def _prefix_overlap(text: str, tag: str) -> int:
+def prefix_overlap(text: str, tag: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
@@ -246,8 +257,69 @@ def _call_from_json(text: str) -> ToolCall | None:
     return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args))
 
 
-# model_type (HF config) -> parser class; "hermes" for the rest.
-TOOL_PARSERS: dict[str, type] = {"hermes": HermesToolParser, "qwen2": HermesToolParser, "llama": HermesToolParser}
+class MistralToolParser(ToolParser):
+    """Mistral's ``[TOOL_CALLS]``: then a JSON array of ``{"name", "arguments"}`` (the v3
+    tokenizers) or ``name[ARGS]{...}`` per call, each after its own ``[TOOL_CALLS]`` (v11 and
+    later). Text before the first ``[TOOL_CALLS]`` is content; the calls are parsed when the
+    output ends (they are its last part), so ``feed`` sends content only."""
+
+    MARK, ARGS = "[TOOL_CALLS]", "[ARGS]"
+    # [TOOL_CALLS] is a control token: the output's text must keep special tokens to show it
+    keeps_special_tokens = True
+
+    def __init__(self) -> None:
+        self.buffer = ""
+        self.in_calls = False
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+        self.buffer += delta
+        if self.in_calls:
+            return "", []
+        at = self.buffer.find(self.MARK)
+        if at >= 0:
+            content, self.buffer, self.in_calls = self.buffer[:at], self.buffer[at:], True
+            return content, []
+        keep = prefix_overlap(self.buffer, self.MARK)
+        content, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
+        return content, []
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """The calls (all of them or, when one does not parse, none: the text stays content)."""
+        rest, self.buffer = self.buffer, ""
+        if not self.in_calls:
+            return rest, []
+        calls: list[ToolCall] = []
+        for part in rest.split(self.MARK)[1:]:
+            part = part.strip()
+            if part.startswith("["):
+                try:
+                    items = json.loads(part)
+                except json.JSONDecodeError:
+                    return rest, []
+                found = [_call_from_json(json.dumps(item)) for item in items] if isinstance(items, list) else [None]
+            else:
+                name, sep, args = part.partition(self.ARGS)
+                found = [_call_from_json(json.dumps({"name": name.strip(), "arguments": json.loads(args)}))
+                         if sep and name.strip() and _is_json(args) else None]
+            if not found or any(call is None for call in found):
+                return rest, []
+            calls.extend(found)
+        return "", calls
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+# model_type (HF config) -> parser class; "hermes" for the rest (Qwen2, Qwen2.5, Qwen3 and
+# their MoE variants write Hermes blocks).
+TOOL_PARSERS: dict[str, type] = {"hermes": HermesToolParser, "qwen2": HermesToolParser, "llama": HermesToolParser,
+                                 "qwen3": HermesToolParser, "qwen3_moe": HermesToolParser,
+                                 "mistral": MistralToolParser, "mixtral": MistralToolParser}
 
 
 def tool_parser_for(model_type: str | None) -> type:

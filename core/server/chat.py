@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from fastapi.responses import Response
 
 from paged.core.errors import InvalidRequestError
 from paged.core.frontend.outputs import CompletionOutput
+from paged.core.frontend.reasoning import ThinkParser, starts_in_reasoning
 from paged.core.server.errors import from_exception, invalid
 from paged.core.server.generation import ChoiceFormat, accept, respond
 from paged.core.server.protocol import ChatCompletionRequest, ChatMessage, check_limits, sampling_params
@@ -27,11 +29,25 @@ class ChatFormat(ChoiceFormat):
         return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                 for i in range(n)]
 
-    def __init__(self, tokens, tools: ToolCallShaper) -> None:
+    def __init__(self, tokens, tools: ToolCallShaper, reasoning: bool | None = None) -> None:
+        """``reasoning``: None when the output has no thinking block to take apart, else whether
+        the prompt left one open (``paged.core.frontend.reasoning``)."""
         super().__init__(tokens)
         self.tools = tools
+        self.reasoning = reasoning
+        self.thinkers: dict[int, ThinkParser] = {}  # choice index -> streaming parser
 
     def final_choice(self, index: int, c: CompletionOutput) -> dict[str, Any]:
+        reasoning = None
+        if self.reasoning is not None:
+            reasoning, content = ThinkParser.split(c.text, self.reasoning)
+            c = replace(c, text=content)
+        choice = self._final_choice(index, c)
+        if reasoning is not None:
+            choice["message"]["reasoning_content"] = reasoning
+        return choice
+
+    def _final_choice(self, index: int, c: CompletionOutput) -> dict[str, Any]:
         if self.tools.active:
             message, finish_reason = self.tools.message(c)
             return {"index": index, "message": message,
@@ -43,11 +59,22 @@ class ChatFormat(ChoiceFormat):
 
     def delta_choice(self, index: int, c: CompletionOutput, new_logprobs: list | None) -> dict[str, Any]:
         logprobs = chat_logprobs(self.tok, new_logprobs) if new_logprobs is not None else None
+        reasoning = ""
+        if self.reasoning is not None:
+            thinker = self.thinkers.setdefault(index, ThinkParser(self.reasoning))
+            reasoning, content = thinker.feed(c.new_text)
+            if c.finished:
+                more_reasoning, more_content = thinker.finish()
+                reasoning, content = reasoning + more_reasoning, content + more_content
+            c = replace(c, new_text=content)
         if self.tools.active:
             delta, finish_reason = self.tools.delta(index, c)
-            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        delta = {"content": c.new_text} if c.new_text or not c.finished else {}
-        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": c.finish_reason}
+        else:
+            delta = {"content": c.new_text} if c.new_text or not (c.finished or reasoning) else {}
+            finish_reason = c.finish_reason
+        if reasoning:
+            delta = {"reasoning_content": reasoning, **delta}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -87,7 +114,10 @@ async def chat(state: ServerState, body: Any, tenant: str | None = None) -> Resp
     except Exception as e:
         return from_exception(e).response()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await respond(state, ChatFormat(state.tokens, shaper), f"chatcmpl-{uuid.uuid4().hex}", [prompt], params,
+    # a forced tool call's output is JSON: no thinking block to take apart
+    thinks = state.reasoning_parser is not None and shaper.mode in ("none", "auto")
+    chat_format = ChatFormat(state.tokens, shaper, starts_in_reasoning(prompt) if thinks else None)
+    return await respond(state, chat_format, f"chatcmpl-{uuid.uuid4().hex}", [prompt], params,
                          req.priority, False, req.stream, include_usage, state.config.server.chat_default_max_tokens,
                          tenant=req.user or tenant, deadline_s=req.deadline_s, llm=llm)
 
@@ -135,7 +165,10 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, llm) -> t
             raise invalid(f"tools: a function's parameters cannot be used as a constraint: {e}", "tools") from None
     elif constraint is not None:
         await check_compiles(llm, constraint, constraint_field(req, req.response_format))
-    prompt = await state.inputs.render_chat(chat_messages(req.messages), tools if tool_mode != "none" else None)
+    prompt = await state.inputs.render_chat(chat_messages(req.messages), tools if tool_mode != "none" else None,
+                                            req.chat_template_kwargs)
     # the model family's parser, found at start-up (only a request with tools needs it)
     shaper = ToolCallShaper(tool_mode, tool_name, state.tool_parser if tool_mode != "none" else None)
+    if tool_mode == "auto" and getattr(state.tool_parser, "keeps_special_tokens", False):
+        params = params.copy(skip_special_tokens=False)
     return prompt, params, shaper

@@ -52,10 +52,11 @@ class PromptInputs:
         it = iter(ids)
         return [next(it) if isinstance(p, str) else None for p in prompts]
 
-    async def render_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> str:
+    async def render_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
+                          chat_template_kwargs: dict[str, Any] | None = None) -> str:
         self.check_length("messages", sum(len(m["content"]) for m in messages))
         try:
-            return await self.run(self.llm.apply_chat_template, messages, tools)
+            return await self.run(self.llm.apply_chat_template, messages, tools, chat_template_kwargs)
         except InvalidRequestError:
             raise
         except (TypeError, ValueError, KeyError, IndexError) as e:

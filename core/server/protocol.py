@@ -96,6 +96,8 @@ class ChatCompletionRequest(CommonRequest):
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
+    # vLLM's extra: variables for the chat template, e.g. {"enable_thinking": false} for Qwen3
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 _short = reprlib.Repr()

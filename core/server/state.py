@@ -21,6 +21,7 @@ from typing import Any, Callable
 from paged.core.config import EngineConfig
 from paged.core.frontend.async_llm import AsyncLLM
 from paged.core.frontend.stream import MergedStreams
+from paged.core.frontend.reasoning import reasoning_parser_for
 from paged.core.frontend.tools import model_type, tool_parser_for
 from paged.core.server.errors import APIError, ShuttingDown, engine_unavailable, shutting_down
 from paged.core.server.inputs import PromptInputs
@@ -42,6 +43,7 @@ class ServerState:
         self.uvicorn_server = None  # set by run_server, to stop when the engine cannot start or dies
         self.tokens: Tokens | None = None
         self.tool_parser: type | None = None  # the served model family's tool-call parser (read at start-up)
+        self.reasoning_parser: str | None = None  # its reasoning parser (server.reasoning_parser), if any
         self.inputs: PromptInputs | None = None
         self.draining = False  # SIGTERM came: new requests get 503, open ones may finish
         self.open_merges: set[MergedStreams] = set()  # one per request being answered
@@ -122,6 +124,8 @@ class ServerState:
         self.served_model_name = default_served_model_name(self.config)
         self.tokens = Tokens(llm.tokenizer)
         self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser_for(self.config.server.reasoning_parser,
+                                                     model_type(llm.model_info.model_dir))
         old_inputs, self.inputs = self.inputs, PromptInputs(llm)
         if old_inputs is not None:
             old_inputs.close(cancel_pending=False)  # a request may still be tokenizing there

@@ -28,6 +28,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 
@@ -49,7 +50,7 @@ async def tokenize(state: ServerState, body: Any) -> dict[str, Any]:
             raise invalid("add_generation_prompt: only true is supported (the prompt a chat completion sees)",
                           "add_generation_prompt")
         tools = check_tools(req.tools) if req.tools is not None else None
-        text = await inputs.render_chat(chat_messages(req.messages), tools)
+        text = await inputs.render_chat(chat_messages(req.messages), tools, req.chat_template_kwargs)
         add_special = bool(req.add_special_tokens)  # the template wrote them already
     else:
         inputs.check_length("prompt", len(req.prompt))

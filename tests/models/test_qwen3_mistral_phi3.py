@@ -402,7 +402,8 @@ def test_plugin_registers_the_three_architectures():
 def test_llm_chunked_prefill_and_prefix_caching_give_hf_tokens(hf_models):
     """``paged.LLM`` on Qwen3 (windows, q/k norms, yarn) and Phi-3 (fused checkpoint, partial
     rotary, longrope crossing its pretraining context while decoding): prompts sharing a
-    12-token prefix (cached by a first request), 8-token chunks, greedy tokens identical to HF
+    12-token prefix (cached by a first request), 8-token chunks, too few blocks for all three
+    (preemption by recompute), greedy tokens identical to HF
     generate (longrope: to HF over its own cache, see ``hf_incremental``). Mistral is Llama's
     decoder with Qwen3's windows: the parity tests above cover it."""
     from paged import LLM, SamplingParams
@@ -414,12 +415,14 @@ def test_llm_chunked_prefill_and_prefix_caching_give_hf_tokens(hf_models):
         hf, path = hf_models[name]
         reference = hf_incremental if "longrope" in name else hf_generate
         expected = [reference(hf, p)[0] for p in prompts]
-        llm = LLM(str(path), device="cpu", dtype="float32", attention="torch", block_size=4, num_kv_blocks=60,
+        llm = LLM(str(path), device="cpu", dtype="float32", attention="torch", block_size=4, num_kv_blocks=24,
                   max_num_batched_tokens=8, long_prefill_token_threshold=8, enable_prefix_caching=True)
         try:
             llm.generate([shared + [7]], params, use_tqdm=False)  # the shared prefix, cached
             outs = llm.generate(prompts, params, use_tqdm=False)
             assert [o.outputs[0].token_ids for o in outs] == expected, name
+            assert sum(o.metrics.num_cached_tokens for o in outs) >= 8, name  # the shared prefix's full blocks
+            assert sum(o.metrics.num_preemptions for o in outs) > 0, name  # 24 blocks hold two of the three
         finally:
             llm.shutdown()
 
@@ -624,3 +627,25 @@ def test_q8_0_phi3_gguf_keeps_the_fused_projections_quantized(hf_models, tmp_pat
         assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == want
     finally:
         llm.shutdown()
+
+
+@pytest.mark.slow
+def test_paged_run_on_each_model_directory_gives_hf_tokens(hf_models):
+    """``paged run --model DIR`` (the CLI a user starts with: its own process, the directory's
+    tokenizer and config) on Qwen3, Mistral with a window shorter than the sequence, and Phi-3:
+    greedy token ids as HF's for the same text."""
+    import json as json_module
+    import subprocess
+    import sys
+
+    text = "The capital of France is Paris, and the capital of Italy is"
+    for name in ("qwen3", "mistral-window", "phi3-window-tied"):
+        hf, path = hf_models[name]
+        prompt = tokenizer()(text)["input_ids"]
+        expected = hf_generate(hf, prompt, 16)[0]
+        run = subprocess.run([sys.executable, "-m", "paged.core.cli", "run", "--model", str(path), "--device", "cpu",
+                              "--dtype", "float32", "--attention", "torch", "--max-tokens", "16", "--ignore-eos",
+                              "--json", "-q", text], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        (request,) = json_module.loads(run.stdout)["requests"]
+        assert request["token_ids"] == expected, name

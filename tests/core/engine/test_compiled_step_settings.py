@@ -60,3 +60,22 @@ def test_eager_forward_of_the_opaque_backend_passes_settings():
     want = backend.forward(q, k, v, (caches[1][0].clone(), caches[1][1].clone()), backend.build_metadata(batch), settings=s)
     got = OpaqueAttention(backend).forward(q, k, v, caches[1], backend.build_metadata(batch), settings=s)
     torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_inductor_cache_key_changes_with_the_ops_schemas():
+    """A graph compiled by a paged whose ops took other arguments must not be reused from
+    inductor's on-disk cache (it was: decode then computed garbage after an upgrade). The cache
+    key carries a pass whose uuid hashes the schemas of every ``paged*`` op."""
+    from paged.core.engine.compiled_step import CompiledForward, _op_schema_in_cache_key
+
+    key_pass = _op_schema_in_cache_key()
+    before = key_pass.uuid()
+    assert before == key_pass.uuid()  # stable: the same in every process with the same ops
+
+    @torch.library.custom_op("paged_probe::schema_probe", mutates_args=())
+    def probe(x: torch.Tensor, extra: int = 0) -> torch.Tensor:
+        return x.clone()
+
+    assert key_pass.uuid() != before
+    CompiledForward(torch.nn.Linear(2, 2), max_tokens=2)
+    assert CompiledForward.DEFAULT_OPTIONS.get("post_grad_custom_post_pass") is None  # the class default untouched

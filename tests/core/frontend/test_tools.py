@@ -128,3 +128,30 @@ def test_llm_chat_with_tools_returns_calls_that_validate(default_model_dir):
         jsonschema.validate(json.loads(out.tool_calls[0].arguments), WEATHER_TOOLS[0]["function"]["parameters"])
     assert none[0].outputs[0].tool_calls is None and plain[0].outputs[0].tool_calls is None
     assert none[0].prompt == plain[0].prompt and "get_weather" in required[0].prompt
+
+
+MISTRAL_OUTPUTS = [  # output text -> (content, [(name, arguments as an object)]), by hand
+    ('Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+     ("Sure.", [("get_weather", {"city": "Paris"})])),
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}',
+     ("", [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})])),
+    ("No tools needed [TOOL_CALL", ("No tools needed [TOOL_CALL", [])),
+    ('[TOOL_CALLS][{"name": "get_weather", "argum', ('[TOOL_CALLS][{"name": "get_weather", "argum', [])),
+]
+
+
+@pytest.mark.parametrize("text, expected", MISTRAL_OUTPUTS)
+def test_mistral_parser_both_formats_whole_and_streamed(text, expected):
+    from paged.core.frontend.tools import TOOL_PARSERS, MistralToolParser
+
+    assert TOOL_PARSERS["mistral"] is TOOL_PARSERS["mixtral"] is MistralToolParser
+    content, calls = MistralToolParser.parse(text)
+    assert (content, [(c.name, json.loads(c.arguments)) for c in calls]) == expected
+    for size in (1, 2, 5, len(text)):
+        parser, streamed, streamed_calls = MistralToolParser(), "", []
+        for at in range(0, len(text), size):
+            piece, more = parser.feed(text[at:at + size])
+            streamed, streamed_calls = streamed + piece, streamed_calls + more
+        piece, more = parser.finish()
+        assert (streamed + piece).strip() == content and [c.name for c in streamed_calls + more] == \
+            [name for name, _ in expected[1]]

@@ -111,9 +111,9 @@ def test_server_requests_get_the_model_defaults_for_unset_fields(monkeypatch):
                           input_processor=SimpleNamespace(validate_structured_output=lambda constraint: None),
                           model_info=SimpleNamespace(model_dir="no-such-model-dir"))
     state = SimpleNamespace(require_llm=lambda: llm, check_model=lambda model: None, tokens=None,
-                            config=SimpleNamespace(server=ServerConfig()))
+                            config=SimpleNamespace(server=ServerConfig()), tool_parser=None, reasoning_parser=None)
 
-    async def render_chat(messages, tools=None):
+    async def render_chat(messages, tools=None, chat_template_kwargs=None):
         return "chat prompt"
 
     state.inputs = SimpleNamespace(render_chat=render_chat)

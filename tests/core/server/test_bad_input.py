@@ -84,8 +84,9 @@ def test_chat_template_errors_are_400(default_model_dir):
         def __init__(self):
             self.tokenizer = tokenizer
 
-        def apply_chat_template(self, messages, tools=None):
-            return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        def apply_chat_template(self, messages, tools=None, chat_template_kwargs=None):
+            return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
+                                                 **(chat_template_kwargs or {}))
 
     inputs = PromptInputs(Engine())
     try:

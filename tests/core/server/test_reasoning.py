@@ -1,0 +1,141 @@
+"""Qwen3's thinking block in chat completions: ``reasoning_content`` apart from ``content``, final
+and streamed; ``chat_template_kwargs`` (``enable_thinking``) reaches the template, as in vLLM.
+
+The served model is a tiny random Qwen3 with the default model's tokenizer and a chat template
+written here the way Qwen3's behaves (``enable_thinking=False`` writes an empty block into the
+prompt). Its output is forced by a regex, so the expected split is known by hand."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from helpers.server import API_KEY, free_port, serve
+from paged.core.errors import InvalidRequestError
+from paged.core.frontend.processor import check_chat_template_kwargs
+from paged.core.frontend.reasoning import ThinkParser, reasoning_parser_for, starts_in_reasoning
+
+QWEN3_LIKE_TEMPLATE = (
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    "{%- endif %}"
+)
+
+# (output text, prompt left a block open) -> (reasoning_content, content), worked out by hand
+SPLITS = [
+    ("<think>\nLet me add.\n</think>\n\n4", False, ("Let me add.\n", "4")),
+    ("Let me add.</think>\n\n4", True, ("Let me add.", "4")),
+    ("4, plainly", False, (None, "4, plainly")),
+    ("<think>\nstill thinking when max_tokens ran out", False, ("still thinking when max_tokens ran out", "")),
+    ("<thin", False, (None, "<thin")),  # not the tag after all
+    ("<think>\n\n</think>\n\nHi", False, ("", "Hi")),
+    ("Hi </think> there", False, (None, "Hi </think> there")),  # no block opened: all content
+]
+
+
+@pytest.mark.parametrize("text, in_reasoning, expected", SPLITS)
+def test_split_and_every_streamed_chunking_agree_with_the_hand_split(text, in_reasoning, expected):
+    assert ThinkParser.split(text, in_reasoning) == expected
+    for size in range(1, len(text) + 1):
+        parser = ThinkParser(in_reasoning)
+        reasoning = content = ""
+        for at in range(0, len(text), size):
+            r, c = parser.feed(text[at:at + size])
+            reasoning, content = reasoning + r, content + c
+        r, c = parser.finish()
+        assert ((reasoning + r) if parser.opened else None, content + c) == expected, size
+
+
+def test_which_prompts_leave_a_block_open_and_which_models_think():
+    assert starts_in_reasoning("<|im_start|>assistant\n<think>\n")
+    assert not starts_in_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not starts_in_reasoning("<|im_start|>assistant\n")
+    assert reasoning_parser_for("auto", "qwen3") == reasoning_parser_for("auto", "qwen3_moe") == "qwen3"
+    assert reasoning_parser_for("auto", "llama") is None and reasoning_parser_for("none", "qwen3") is None
+    assert reasoning_parser_for("qwen3", "llama") == "qwen3"
+
+
+def test_chat_template_kwargs_are_checked():
+    assert check_chat_template_kwargs(None) == {}
+    assert check_chat_template_kwargs({"enable_thinking": False}) == {"enable_thinking": False}
+    with pytest.raises(InvalidRequestError, match=r"chat_template_kwargs: 'tokenize' is set by the server"):
+        check_chat_template_kwargs({"tokenize": True})
+    with pytest.raises(InvalidRequestError, match=r"chat_template_kwargs: must be an object"):
+        check_chat_template_kwargs(["enable_thinking"])
+
+
+@pytest.fixture(scope="module")
+def qwen3_server(default_model_dir, tmp_path_factory):
+    import torch
+    import transformers
+
+    path = tmp_path_factory.mktemp("qwen3-thinking")
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1,
+                                      eos_token_id=2)
+    transformers.Qwen3ForCausalLM(config).save_pretrained(path)
+    for f in Path(default_model_dir).iterdir():
+        if f.name.startswith("tokenizer"):
+            shutil.copy(f, path / f.name)
+    tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = QWEN3_LIKE_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    port = free_port()
+    args = ["--model", str(path), "--device", "cpu", "--dtype", "float32", "--attention", "torch", "--host",
+            "127.0.0.1", "--port", str(port), "--api-key", API_KEY, "--num-kv-blocks", "64", "--served-model-name", "m", "-q"]
+    with serve(args, path, port) as server:
+        server.model_dir = path
+        yield server
+
+
+def _chat(server, **body):
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    body = {"model": "m", "messages": messages, "temperature": 0, "max_tokens": 40,
+            "structured_outputs": {"regex": r"<think>\n[a-z]{3,8}\n</think>\n\n[a-z]{2,6}"}, **body}
+    return server.post("/v1/chat/completions", body)
+
+
+def test_served_qwen3_splits_reasoning_final_and_streamed(qwen3_server):
+    reply = _chat(qwen3_server)
+    assert reply.status_code == 200, reply.text
+    message = reply.json()["choices"][0]["message"]
+    reasoning, content = message["reasoning_content"], message["content"]
+    assert reasoning.endswith("\n") and reasoning[:-1].isalpha() and 3 <= len(reasoning) - 1 <= 8
+    assert content.isalpha() and 2 <= len(content) <= 6 and "<think>" not in content
+
+    stream = _chat(qwen3_server, stream=True)
+    assert stream.status_code == 200, stream.text
+    streamed = {"reasoning_content": "", "content": ""}
+    for line in stream.text.splitlines():
+        if line.startswith("data: {"):
+            for choice in json.loads(line[6:])["choices"]:
+                for key in streamed:
+                    streamed[key] += choice["delta"].get(key) or ""
+    assert streamed == {"reasoning_content": reasoning, "content": content}
+
+
+def test_enable_thinking_reaches_the_template(qwen3_server):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_server.model_dir)
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    for kwargs in ({}, {"enable_thinking": False}):
+        want = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+        want = want["input_ids"] if hasattr(want, "keys") else want
+        got = qwen3_server.post("/tokenize", {"messages": messages, "chat_template_kwargs": kwargs or None})
+        assert got.status_code == 200, got.text
+        assert got.json()["tokens"] == list(want), kwargs
+    # Without thinking, the prompt holds the empty block: the completion is all content.
+    reply = _chat(qwen3_server, chat_template_kwargs={"enable_thinking": False},
+                  structured_outputs={"regex": r"[a-z]{2,6}"})
+    assert reply.status_code == 200, reply.text
+    message = reply.json()["choices"][0]["message"]
+    assert message["content"].isalpha() and "reasoning_content" not in message
+    assert reply.json()["usage"]["prompt_tokens"] > _chat(qwen3_server).json()["usage"]["prompt_tokens"]
+
+    bad = _chat(qwen3_server, chat_template_kwargs={"add_generation_prompt": False})
+    assert bad.status_code == 400 and "chat_template_kwargs" in bad.json()["error"]["message"], bad.text
