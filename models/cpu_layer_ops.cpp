@@ -330,25 +330,33 @@ void silu_mul_rows(const T* x, T* out, int64_t rows, int64_t inter, int64_t x_st
   });
 }
 
-at::Tensor silu_and_mul(const at::Tensor& x_in) {
-  check_cpu(x_in, "silu_and_mul", "x");
+// A gated activation's op: x = [gate | up] in rows, out = act(gate) * up; ``rows_fn`` is the
+// row kernel (a generic lambda, so the dtype picks its instantiation).
+template <typename RowsFn>
+at::Tensor act_and_mul(const at::Tensor& x_in, const char* name, RowsFn rows_fn) {
+  check_cpu(x_in, name, "x");
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) % 2 == 0,
-              "silu_and_mul: x must be [T, 2 * intermediate_size], got ", x_in.sizes());
+              name, ": x must be [T, 2 * intermediate_size], got ", x_in.sizes());
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   const int64_t rows = x.size(0), inter = x.size(1) / 2;
   at::Tensor out = at::empty({rows, inter}, x.options());
   switch (x.scalar_type()) {
     case at::kFloat:
-      silu_mul_rows<float>(x.data_ptr<float>(), out.data_ptr<float>(), rows, inter, x.stride(0));
+      rows_fn(x.data_ptr<float>(), out.data_ptr<float>(), rows, inter, x.stride(0));
       break;
     case at::kBFloat16:
-      silu_mul_rows<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), rows, inter,
-                                   x.stride(0));
+      rows_fn(x.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), rows, inter, x.stride(0));
       break;
     default:
-      silu_mul_rows<c10::Half>(x.data_ptr<c10::Half>(), out.data_ptr<c10::Half>(), rows, inter, x.stride(0));
+      rows_fn(x.data_ptr<c10::Half>(), out.data_ptr<c10::Half>(), rows, inter, x.stride(0));
   }
   return out;
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  return act_and_mul(x, "silu_and_mul", [](auto* in, auto* out, int64_t rows, int64_t inter, int64_t stride) {
+    silu_mul_rows(in, out, rows, inter, stride);
+  });
 }
 
 // ---- GELU (tanh approximation) and mul --------------------------------------------------------
@@ -382,25 +390,10 @@ void gelu_tanh_mul_rows(const T* x, T* out, int64_t rows, int64_t inter, int64_t
   });
 }
 
-at::Tensor gelu_tanh_and_mul(const at::Tensor& x_in) {
-  check_cpu(x_in, "gelu_tanh_and_mul", "x");
-  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) % 2 == 0,
-              "gelu_tanh_and_mul: x must be [T, 2 * intermediate_size], got ", x_in.sizes());
-  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
-  const int64_t rows = x.size(0), inter = x.size(1) / 2;
-  at::Tensor out = at::empty({rows, inter}, x.options());
-  switch (x.scalar_type()) {
-    case at::kFloat:
-      gelu_tanh_mul_rows<float>(x.data_ptr<float>(), out.data_ptr<float>(), rows, inter, x.stride(0));
-      break;
-    case at::kBFloat16:
-      gelu_tanh_mul_rows<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), rows, inter,
-                                        x.stride(0));
-      break;
-    default:
-      gelu_tanh_mul_rows<c10::Half>(x.data_ptr<c10::Half>(), out.data_ptr<c10::Half>(), rows, inter, x.stride(0));
-  }
-  return out;
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x) {
+  return act_and_mul(x, "gelu_tanh_and_mul", [](auto* in, auto* out, int64_t rows, int64_t inter, int64_t stride) {
+    gelu_tanh_mul_rows(in, out, rows, inter, stride);
+  });
 }
 
 }  // namespace

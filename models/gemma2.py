@@ -44,6 +44,7 @@ from paged.models.layers import (
     rope_settings,
     weight_bytes,
 )
+from paged.models.llama import attention_block
 from paged.models.llama import attention_shape as _llama_attention_shape
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -199,12 +200,8 @@ class GemmaDecoderLayer(nn.Module):
         attn_metadata: Any,
         cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata, cos_sin)
+        hidden_states, residual = attention_block(self, positions, hidden_states, residual, kv_cache, attn_metadata,
+                                                  cos_sin)
         hidden_states = self.post_attention_layernorm(hidden_states)
         hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
         hidden_states = self.mlp(hidden_states)

@@ -57,6 +57,21 @@ def effective_sliding_window(hf_config: Any, window: Any) -> int | None:
     return None if limit is not None and int(window) >= int(limit) else int(window)
 
 
+def attention_block(layer: nn.Module, positions: torch.Tensor, hidden_states: torch.Tensor,
+                    residual: torch.Tensor | None, kv_cache: Any, attn_metadata: Any,
+                    cos_sin: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first half of a pre-norm decoder layer (Llama's, Gemma's, the sparse decoders'):
+    ``layer.input_layernorm`` over the hidden states plus the residual carried from the layer
+    before (none before the first), then ``layer.self_attn``; returns (attention output,
+    residual)."""
+    if residual is None:
+        residual = hidden_states
+        hidden_states = layer.input_layernorm(hidden_states)
+    else:
+        hidden_states, residual = layer.input_layernorm(hidden_states, residual)
+    return layer.self_attn(positions, hidden_states, kv_cache, attn_metadata, cos_sin), residual
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(
         self,
@@ -100,12 +115,8 @@ class LlamaDecoderLayer(nn.Module):
         attn_metadata: Any,
         cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata, cos_sin)
+        hidden_states, residual = attention_block(self, positions, hidden_states, residual, kv_cache, attn_metadata,
+                                                  cos_sin)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 

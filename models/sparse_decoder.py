@@ -20,7 +20,7 @@ from torch import nn
 
 from paged.core.errors import ModelLoadError
 from paged.models.layers import ParallelLMHead, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
-from paged.models.llama import LlamaForCausalLM, attention_shape
+from paged.models.llama import LlamaForCausalLM, LlamaModel, attention_block, attention_shape
 
 
 class SparseDecoderLayer(nn.Module):
@@ -44,12 +44,8 @@ class SparseDecoderLayer(nn.Module):
         attn_metadata: Any,
         cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata, cos_sin)
+        hidden_states, residual = attention_block(self, positions, hidden_states, residual, kv_cache, attn_metadata,
+                                                  cos_sin)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self._modules[self.mlp_name](hidden_states), residual
 
@@ -73,20 +69,8 @@ class SparseDecoderModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        attn_metadata: Any,
-    ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        cos_sin = self.rotary_emb.lookup(positions, hidden_states.dtype)  # once, for every layer
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata, cos_sin)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+    # Llama's: embed, the rotary table looked up once, the layers, the final norm (same attributes)
+    forward = LlamaModel.forward
 
 
 class SparseMoeForCausalLM(LlamaForCausalLM):
