@@ -29,7 +29,8 @@ from torch import nn
 from paged.core.errors import ModelLoadError
 from paged.core.model import AttentionShape
 from paged.models.gemma2 import Gemma2ForCausalLM, GemmaRMSNorm, attention_scale, attention_shape, layer_window
-from paged.models.layers import Attention, RotaryEmbedding, rope_settings
+from paged.models.layers import RotaryEmbedding, rope_settings
+from paged.models.qwen3 import QKNormAttention
 
 __all__ = ["Gemma3Attention", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "gemma3_rope_settings"]
 
@@ -51,32 +52,11 @@ def gemma3_rope_settings(hf_config: Any) -> dict[str, tuple[float, dict | None]]
     return {"sliding_attention": (local, None), "full_attention": (theta, scaling)}
 
 
-class Gemma3Attention(Attention):
-    """``Attention`` with Gemma's RMSNorm over each head of q and of k before the rotary."""
+class Gemma3Attention(QKNormAttention):
+    """``Attention`` with Gemma's RMSNorm over each head of q and of k before the rotary
+    (Qwen3's layer with the (1 + w) norm)."""
 
-    def __init__(self, *args: Any, eps: float, dtype: torch.dtype, device, **kwargs: Any) -> None:
-        """``Attention``'s arguments, and ``eps`` of the q/k norms (over ``head_dim``)."""
-        super().__init__(*args, dtype=dtype, device=device, **kwargs)
-        self.q_norm = GemmaRMSNorm(self.head_dim, eps, dtype=dtype, device=device)
-        self.k_norm = GemmaRMSNorm(self.head_dim, eps, dtype=dtype, device=device)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        attn_metadata: Any,
-        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        num_tokens = hidden_states.shape[0]
-        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k, cos_sin)
-        # this layer's settings (window, scale) as Attention documents for a subclass's forward
-        out = self.backend.forward(q, k, v, kv_cache, attn_metadata, **self._settings_kwargs)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+    norm_class = GemmaRMSNorm
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):

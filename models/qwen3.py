@@ -26,6 +26,8 @@ class QKNormAttention(Attention):
     HF's Qwen3 does. Everything else (fused QKV, per-layer settings, backend, o_proj) is
     ``Attention``'s."""
 
+    norm_class: type = RMSNorm  # Gemma 3 uses its (1 + w) norm
+
     def __init__(
         self,
         hidden_size: int,
@@ -43,8 +45,8 @@ class QKNormAttention(Attention):
         """``options``: ``Attention``'s keyword arguments (biases, sliding_window, ...)."""
         super().__init__(hidden_size, num_heads, num_kv_heads, head_dim, rotary, backend,
                          dtype=dtype, device=device, **options)
-        self.q_norm = RMSNorm(head_dim, eps, dtype=dtype, device=device)
-        self.k_norm = RMSNorm(head_dim, eps, dtype=dtype, device=device)
+        self.q_norm = self.norm_class(head_dim, eps, dtype=dtype, device=device)
+        self.k_norm = self.norm_class(head_dim, eps, dtype=dtype, device=device)
 
     def forward(
         self,
