@@ -578,3 +578,26 @@ def test_plugin_registers_gemma_and_refuses_the_multimodal_gemma3(tmp_path):
 
     with pytest.raises((ModelLoadError, ConfigError), match="Gemma3ForConditionalGeneration.*not supported"):
         LLM(str(tmp_path), device="cpu", dtype="float32")
+
+
+@pytest.mark.slow
+def test_paged_run_gives_hf_tokens_with_gemma3_on_two_ranks(hf_models):
+    """``paged run --model DIR`` (its own process and the directory's tokenizer, which adds a
+    BOS) on Gemma 2 with one rank and Gemma 3 with two (each rank 2 of the 4 q heads and 1 of the
+    2 kv heads; local and global layers with their own rope bases; a window shorter than the
+    sequence): greedy token ids as HF's for the same text."""
+    import subprocess
+    import sys
+
+    text = "the tea and the toast"
+    prompt = _tokenizer()(text)["input_ids"]
+    assert prompt[0] == 2 and len(prompt) > WINDOW
+    for name, ranks in (("gemma2", "1"), ("gemma3", "2")):
+        hf, path = hf_models[name]
+        run = subprocess.run([sys.executable, "-m", "paged.core.cli", "run", "--model", str(path), "--device", "cpu",
+                              "--dtype", "float32", "--attention", "torch", "--tensor-parallel-size", ranks,
+                              "--max-tokens", "16", "--ignore-eos", "--json", "-q", text],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        (request,) = json.loads(run.stdout)["requests"]
+        assert request["token_ids"] == hf_greedy(hf, prompt, 16), name

@@ -649,3 +649,40 @@ def test_paged_run_on_each_model_directory_gives_hf_tokens(hf_models):
         assert run.returncode == 0, run.stderr[-3000:]
         (request,) = json_module.loads(run.stdout)["requests"]
         assert request["token_ids"] == expected, name
+
+
+@pytest.mark.slow
+def test_server_gives_hf_tokens_with_chunked_prefill_and_prefix_caching(hf_models, tmp_path):
+    """``paged serve`` on Mistral (window 6, shorter than every sequence) and Phi-3 (fused
+    projections, a window, a tied head), each with 4-token chunks, prefix caching and 8 blocks of
+    4 slots (29 slots a request: it fits only because the KV manager frees the blocks that fell
+    out of the window; preemption with windows is in the ``LLM`` test above): the completions of
+    token-id prompts (two sharing a 9-token prefix, one repeated after the others finished, so
+    served from the prefix cache) are HF's greedy text."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from helpers.server import API_KEY, free_port, serve
+
+    text = tokenizer()
+    shared = _prompt("shared", 9)
+    prompts = [shared + _prompt("a", 4), shared + _prompt("b", 4), _prompt("c", 13)]
+    for name in ("mistral-window", "phi3-window-tied"):
+        hf, path = hf_models[name]
+        want = [text.decode(hf_generate(hf, p, 16)[0], skip_special_tokens=True) for p in prompts]
+        port = free_port()
+        args = ["--model", str(path), "--dtype", "float32", "--attention", "torch", "--port", str(port),
+                "--api-key", API_KEY, "--block-size", "4", "--num-kv-blocks", "8", "--max-num-batched-tokens", "4",
+                "--long-prefill-token-threshold", "4", "--enable-prefix-caching"]
+        with serve(args, tmp_path, port) as server:
+            def complete(prompt):
+                r = server.post("/v1/completions", {"model": str(path), "prompt": prompt, "max_tokens": 16,
+                                                    "temperature": 0, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["text"]
+
+            with ThreadPoolExecutor(3) as pool:
+                got = list(pool.map(complete, prompts))
+            assert got == want, name
+            assert complete(prompts[0]) == want[0]
+            metrics = server.metrics()
+        assert metrics.get("paged:prefix_cache_hits_total", 0) > 0, (name, metrics)
