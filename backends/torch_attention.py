@@ -68,6 +68,10 @@ from paged.core.attention import (
 from paged.core.utils import ScratchBuffers, cdiv
 
 
+# Queries of at most this many tokens go through the fused CPU kernel, one row per token.
+SHORT_QUERY = 16
+
+
 class TorchAttentionOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -130,6 +134,11 @@ class _StepShape:
     num_decodes: int
     num_reqs: int
     block_size: int
+    first_prefill: int = -1  # the first request attended as a prefill chunk (-1: num_decodes)
+
+    def __post_init__(self) -> None:
+        if self.first_prefill < 0:
+            self.first_prefill = self.num_decodes
 
 
 @dataclass
@@ -190,7 +199,7 @@ def _prefill_plan(shape: _StepShape, window: int | None) -> PrefillPlan:
     chunks: list[PrefillChunk] = []
     slots: list[torch.Tensor] = []
     context_start = 0
-    for i in range(shape.num_decodes, shape.num_reqs):
+    for i in range(shape.first_prefill, shape.num_reqs):
         q_start, q_end, seq_len = shape.query_start_loc[i], shape.query_start_loc[i + 1], shape.seq_lens[i]
         q_len = q_end - q_start
         first = seq_len - q_len  # the first query's position
@@ -208,6 +217,11 @@ def _prefill_plan(shape: _StepShape, window: int | None) -> PrefillPlan:
         chunks.append(PrefillChunk(q_start, q_end, context_start, context_start + seq_len - lo, attn_mask, is_causal))
         context_start += seq_len - lo
     return PrefillPlan(chunks, torch.cat(slots))
+
+
+def _rows_of_heads(t: torch.Tensor) -> bool:
+    """``[T, H, D]`` whose heads are contiguous (what the kernel library's KV write reads)."""
+    return t.stride(-1) == 1 and t.stride(-2) == t.shape[-1]
 
 
 def soft_capped_attention(q, k, v, allowed, scale: float, cap: float) -> torch.Tensor:
@@ -263,11 +277,11 @@ class TorchAttentionBackend:
         shape = _StepShape(batch.block_table, seq_lens, query_start_loc, batch.seq_lens_cpu, num_decodes,
                            batch.num_reqs, block_size)
         decode = None
-        if num_decodes and self._kernel is not None:
-            decode = FusedDecodeMetadata(num_decodes, batch.block_table[:num_decodes], batch.seq_lens[:num_decodes])
+        if self._kernel is not None:
+            decode = self._fused_rows(batch, shape, seq_lens, query_start_loc)
         elif num_decodes:
             decode = _gather_decode(shape, None)
-        plan = _prefill_plan(shape, None) if batch.num_reqs > num_decodes else None
+        plan = _prefill_plan(shape, None) if batch.num_reqs > shape.first_prefill else None
 
         return TorchAttentionMetadata(
             num_tokens=batch.num_tokens,
@@ -279,6 +293,32 @@ class TorchAttentionBackend:
             shape=shape,
             windowed_prefills={} if plan is None else {None: plan},
         )
+
+    def _fused_rows(self, batch: BatchInputs, shape: _StepShape, seq_lens: list[int],
+                    query_start_loc: list[int]) -> FusedDecodeMetadata | None:
+        """The fused kernel's rows: every decode, and each token of the short queries right after
+        them (query length <= ``SHORT_QUERY``: speculative verification, short prompts) as a row of
+        its own that attends over the positions up to its own (the kernel then is causal per row,
+        and reads the block table instead of a gathered copy of the context). The requests from
+        ``shape.first_prefill`` on are prefill chunks."""
+        num_decodes, num_reqs = batch.num_decodes, batch.num_reqs
+        first = num_decodes
+        while first < num_reqs and query_start_loc[first + 1] - query_start_loc[first] <= SHORT_QUERY:
+            first += 1
+        shape.first_prefill = first
+        if first == num_decodes:
+            if not num_decodes:
+                return None
+            return FusedDecodeMetadata(num_decodes, batch.block_table[:num_decodes], batch.seq_lens[:num_decodes])
+        rows = list(range(num_decodes))
+        lens = seq_lens[:num_decodes]
+        for i in range(num_decodes, first):
+            q_len = query_start_loc[i + 1] - query_start_loc[i]
+            rows.extend([i] * q_len)
+            lens.extend(range(seq_lens[i] - q_len + 1, seq_lens[i] + 1))
+        device = batch.block_table.device
+        return FusedDecodeMetadata(len(rows), batch.block_table[torch.tensor(rows, device=device)],
+                                   torch.tensor(lens, dtype=torch.int32).to(device))
 
     # ---- per layer -----------------------------------------------------------------------------
 
@@ -295,7 +335,8 @@ class TorchAttentionBackend:
         scale = self.layout.scale if settings.scale is None else settings.scale
         window, cap = settings.sliding_window, settings.logits_soft_cap
         decode = metadata.decode
-        if metadata.fused_decode_only and query.dtype == k_cache.dtype and query.stride(-1) == 1:
+        if (metadata.fused_decode_only and query.dtype == k_cache.dtype and query.stride(-1) == 1
+                and _rows_of_heads(key) and _rows_of_heads(value)):
             # a step of decodes only (the steady state): KV write and attention in one C++ call
             return self._write_and_decode(query, key, value, k_cache, v_cache, metadata.slot_mapping,
                                           decode.block_table, decode.seq_lens, scale, window or 0, cap or 0.0)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from paged.core.errors import ConfigError
@@ -129,6 +129,35 @@ class ParallelConfig(_Section):
     data_parallel_size: int = Field(1, gt=0, description="engine cores behind one `paged serve` front-end")
 
 
+class SpeculativeConfig(_Section):
+    """Speculative decoding (``--speculative-config JSON`` sets the whole section, vLLM's way:
+    keys other than these fields are the method's options)."""
+
+    method: str | None = Field(
+        None, description="proposer plugin: ngram (prompt lookup) or a plugin's (paged plugins lists them); "
+        "unset = no speculation",
+    )
+    num_speculative_tokens: int = Field(4, ge=1, le=64, description="most draft tokens verified per request and step")
+    disable_by_batch_size: int | None = Field(
+        None, ge=1, description="no speculation in a step where more requests than this decode (verification "
+        "stops being free in large batches); unset = always",
+    )
+    options: dict[str, Any] = Field(default_factory=dict, description="the proposer's typed options")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _method_options_at_top_level(cls, data: Any) -> Any:
+        """``{"method": "ngram", "prompt_lookup_max": 4}`` as vLLM takes it: unknown keys are
+        the method's options (checked against its options model when the engine starts)."""
+        if not isinstance(data, dict):
+            return data
+        own = set(cls.model_fields)
+        extra = {k: v for k, v in data.items() if k not in own}
+        if not extra:
+            return data
+        return {**{k: v for k, v in data.items() if k in own}, "options": {**data.get("options", {}), **extra}}
+
+
 class ServerConfig(_Section):
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0: every interface)")
     port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on")
@@ -227,6 +256,7 @@ class EngineConfig(BaseSettings):
     attention: AttentionConfig = Field(default_factory=AttentionConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     structured_output: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
 
     @classmethod
@@ -345,6 +375,8 @@ FLAG_ALIASES = {
     ("cache", "num_blocks"): "num-kv-blocks",
     ("structured_output", "backend"): "structured-output-backend",
     ("structured_output", "compile_workers"): "structured-output-compile-workers",
+    ("speculative", "method"): "speculative-method",
+    ("speculative", "disable_by_batch_size"): "speculative-disable-by-batch-size",
 }
 
 

@@ -15,8 +15,9 @@ A plugin is a module (found through the ``paged`` entry-point group) that implem
 The contracts the specs' factories meet: ``paged.core.policy`` (scheduling policies),
 ``paged.core.attention`` (attention backends), ``paged.core.structured_output`` (grammar
 backends for structured outputs), ``paged.core.quantization`` (weight-only quantization
-methods; ``QuantizationMethodSpec`` is re-exported here) and ``paged.core.model`` (model
-architectures; ``AttentionShape``, ``CausalLM`` and ``ModelClass`` are re-exported here).
+methods; ``QuantizationMethodSpec`` is re-exported here), ``paged.core.model`` (model
+architectures; ``AttentionShape``, ``CausalLM`` and ``ModelClass`` are re-exported here) and
+``paged.core.speculative`` (speculative-decoding proposers).
 
 What a plugin's code may raise while the engine serves, and what the engine then does (the
 request ends with an error, or the engine stops), is in ``paged.core.engine.plugin_faults``. A model plugin builds
@@ -38,7 +39,8 @@ from paged.core.quantization import QuantizationMethodSpec
 
 __all__ = [
     "AttentionBackendSpec", "AttentionShape", "CausalLM", "ModelClass", "ModelSpec", "PagedHookSpecs",
-    "PolicySpec", "QuantizationMethodSpec", "StructuredOutputBackendSpec", "hookimpl", "hookspec",
+    "PolicySpec", "QuantizationMethodSpec", "SpeculativeProposerSpec", "StructuredOutputBackendSpec", "hookimpl",
+    "hookspec",
 ]
 
 PROJECT = "paged"
@@ -113,6 +115,19 @@ class StructuredOutputBackendSpec:
     is_available: Callable[[], tuple[bool, str]] = field(default=lambda: (True, ""))
 
 
+@dataclass(frozen=True)
+class SpeculativeProposerSpec:
+    """A speculative-decoding proposer (see paged.core.speculative), selected by
+    ``speculative.method``: ``factory(options, context) -> SpeculativeProposer``, built once in the
+    engine core; ``options`` validates ``speculative.options`` (and the extra keys of
+    ``--speculative-config``)."""
+
+    name: str
+    factory: Callable[..., Any]
+    options: type[BaseModel] | None = None
+    description: str = ""
+
+
 class PagedHookSpecs:
     @hookspec
     def register_policies(self) -> list[PolicySpec]:
@@ -135,3 +150,8 @@ class PagedHookSpecs:
         """Return the weight-only quantization methods this plugin provides, selected by
         ``model.quantization`` (contract: ``paged.core.quantization``; ``QuantizationMethodSpec``
         is re-exported here)."""
+
+    @hookspec
+    def register_speculative_proposers(self) -> list[SpeculativeProposerSpec]:
+        """Return the speculative-decoding proposers this plugin provides, selected by
+        ``speculative.method`` (contract: ``paged.core.speculative``)."""

@@ -34,6 +34,7 @@ from paged.core.hookspecs import (
     ModelSpec,
     PagedHookSpecs,
     PolicySpec,
+    SpeculativeProposerSpec,
     StructuredOutputBackendSpec,
 )
 
@@ -46,6 +47,7 @@ _KINDS = {
     "register_models": ("models", "architecture"),
     "register_structured_output_backends": ("structured_output_backends", "name"),
     "register_quantization_methods": ("quantization_methods", "name"),
+    "register_speculative_proposers": ("speculative_proposers", "name"),
 }
 
 
@@ -84,6 +86,7 @@ class Registry:
     models: dict[str, ModelSpec] = field(default_factory=dict)
     structured_output_backends: dict[str, StructuredOutputBackendSpec] = field(default_factory=dict)
     quantization_methods: dict[str, QuantizationMethodSpec] = field(default_factory=dict)
+    speculative_proposers: dict[str, SpeculativeProposerSpec] = field(default_factory=dict)
     owner: dict[tuple[str, str], str] = field(default_factory=dict)  # (kind, name) -> plugin
     plugins: list[PluginInfo] = field(default_factory=list)
     # (kind, name) -> every plugin registering it; such names are not in the tables above
@@ -125,6 +128,9 @@ class Registry:
         return self._lookup("structured_output_backends", "structured_output.backend", name)
     def quantization_method(self, name: str) -> QuantizationMethodSpec:
         return self._lookup("quantization_methods", "model.quantization", name)
+
+    def speculative_proposer(self, name: str) -> SpeculativeProposerSpec:
+        return self._lookup("speculative_proposers", "speculative.method", name)
 
     def model(self, architecture: str) -> ModelSpec:
         try:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
 
 from paged.core.config import EngineConfig, config_flags, load_config, parse_key_values
-from paged.core.errors import PagedError
+from paged.core.errors import ConfigError, PagedError
 
 CFG = "cfg:"
 SP = "sp:"
@@ -106,6 +107,9 @@ def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("
                        help="an option of the selected structured-output backend (repeatable)")
     group.add_argument("--quantization-option", action="append", metavar="KEY=VALUE",
                        help="an option of the selected quantization method, e.g. dense_copy=false (repeatable)")
+    group.add_argument("--speculative-config", metavar="JSON",
+                       help="the speculative section as JSON (vLLM's flag), e.g. '{\"method\": \"ngram\", "
+                       "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -130,6 +134,15 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     quantization_options = parse_key_values(getattr(args, "quantization_option", None), "quantization-option")
     if quantization_options:
         overrides.setdefault("model", {})["quantization_options"] = quantization_options
+    speculative = getattr(args, "speculative_config", None)
+    if speculative is not None:
+        try:
+            section = json.loads(speculative)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--speculative-config: not JSON ({e}): {speculative!r}") from None
+        if not isinstance(section, dict):
+            raise ConfigError(f"--speculative-config: expected a JSON object, got {speculative!r}")
+        overrides["speculative"] = {**overrides.get("speculative", {}), **section}
     return load_config(args.config_file, overrides)
 
 

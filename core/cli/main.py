@@ -255,7 +255,15 @@ def run_summary(engine, outputs, elapsed: float) -> dict[str, Any]:
         "preemptions": core_stats.num_preemptions,
         "peak_kv_usage": round(core_stats.peak_kv_usage, 4),
         "kv_blocks": engine.model_info.num_blocks,
+        **_speculative_summary(engine),
     }
+
+
+def _speculative_summary(engine) -> dict[str, Any]:
+    speculator = getattr(engine.core, "speculator", None)
+    if speculator is None:
+        return {}
+    return {"speculative": {"method": speculator.method, **speculator.stats.to_dict()}}
 
 
 def _round(v: float | None) -> float | None:

@@ -54,6 +54,10 @@ class CoreStats:
     kv_usage: float = 0.0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # speculative decoding (paged.core.engine.spec_decode.SpecDecodeStats)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
 
 class EngineCore:
@@ -69,6 +73,7 @@ class EngineCore:
         # Every plugin's options are checked before any weight loads.
         check_quantization(config, registry)
         structured_output = resolve_structured_output(config, registry)
+        speculative = self._resolve_proposer(config, registry)
         # The model's settings are settled (and checked) before any rank starts or loads weights.
         self.model_config = resolve_model(config, registry, self.device)
         configure_cpu_threads(config, self.device)
@@ -117,6 +122,9 @@ class EngineCore:
         self.scheduler.grammar_code = self.structured_output.code = self.plugin_code[-1]
         if self.runner.sampler is not None:
             self.runner.sampler.grammar_code = self.plugin_code[-1]
+        self.speculator = self._speculator(config, registry, *speculative) if speculative else None
+        if self.speculator is not None:
+            self.scheduler.spec_stats = self.speculator.stats
         self.dead: str | None = None  # set when a fatal failure stopped the engine
         # Constrained requests whose matcher is being built: outside the scheduler until ready.
         self.compiling: dict[str, tuple[Request, Future]] = {}
@@ -124,6 +132,34 @@ class EngineCore:
         # Called with each step's SchedulerOutput right after scheduling, before the model runs
         # (the policy lab records steps this way); empty in serving.
         self.schedule_observers: list[Callable[[SchedulerOutput], None]] = []
+
+    @staticmethod
+    def _resolve_proposer(config: EngineConfig, registry):
+        """``speculative.method``'s spec and validated options (before any weight loads), or None."""
+        from paged.core.config import validate_options
+
+        if config.speculative.method is None:
+            return None
+        spec = registry.speculative_proposer(config.speculative.method)
+        return spec, validate_options(spec, config.speculative.options, "speculative.options")
+
+    def _speculator(self, config: EngineConfig, registry, spec, options):
+        """The proposer built and wrapped (paged.core.engine.spec_decode.Speculator)."""
+        from paged.core.engine.spec_decode import Speculator
+        from paged.core.speculative import ProposerContext
+
+        settings = config.speculative
+        context = ProposerContext(self.model_config.vocab_size, settings.num_speculative_tokens,
+                                  str(self.model_config.model_dir))
+        proposer = spec.factory(options, context)
+        code = plugin_code("speculative proposer", spec.name, registry.owner.get(("speculative_proposers", spec.name)),
+                           spec.factory, proposer)
+        logger.info("speculative decoding: %s, up to %d draft tokens a step%s", spec.name,
+                    settings.num_speculative_tokens,
+                    f", off above {settings.disable_by_batch_size} decoding requests"
+                    if settings.disable_by_batch_size else "")
+        return Speculator(proposer, code, spec.name, settings.num_speculative_tokens, self.model_config.vocab_size,
+                          self.model_config.max_model_len, settings.disable_by_batch_size)
 
     def _plugin_code(self, registry) -> list[PluginCode]:
         """The selected plugins' code, to name them in failures: policy first, grammar last."""
@@ -227,7 +263,15 @@ class EngineCore:
             result = self.runner.execute(scheduler_output)
         except Exception as e:
             raise self._stop(e, "execute") from None
-        outputs = self.scheduler.update_from_output(scheduler_output, result.sampled_token_ids, result.logprobs)
+        outputs = self.scheduler.update_from_output(scheduler_output, result.sampled_token_ids, result.logprobs,
+                                                    result.spec_outputs)
+        if self.speculator is not None:
+            if scheduler_output.finished_request_ids:
+                self.speculator.forget(scheduler_output.finished_request_ids)
+            try:
+                self.speculator.propose(self.scheduler.running)
+            except EngineError as e:
+                raise self._stop(e, "propose") from None
         stats = self.stats
         stats.num_steps += 1
         stats.num_preemptions += len(scheduler_output.preempted_request_ids)
@@ -252,5 +296,10 @@ class EngineCore:
         stats.kv_usage = self.kv_cache_manager.usage
         prefix = self.kv_cache_manager.prefix_cache_stats
         stats.prefix_cache_queries, stats.prefix_cache_hits = prefix.queries, prefix.hits
+        if self.speculator is not None:
+            spec = self.speculator.stats
+            stats.spec_decode_num_drafts = spec.num_drafts
+            stats.spec_decode_num_draft_tokens = spec.num_draft_tokens
+            stats.spec_decode_num_accepted_tokens = spec.num_accepted_tokens
         return stats
 

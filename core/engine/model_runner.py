@@ -1,7 +1,8 @@
 """Runs one scheduled step on the model: flatten the batch, forward, sample.
 
-Flattening: requests are ordered decodes first, then prefill chunks. For
-each scheduled request the tokens ``all_token_ids[num_computed : num_computed + num_new]`` are
+Flattening: requests are ordered by query length, shortest first (decodes, then speculative
+verifications and short chunks, then long chunks; equal lengths keep their order). For each
+scheduled request the tokens ``all_token_ids[num_computed : num_computed + num_new]`` are
 laid end to end in ``input_ids`` with their ``positions``; ``query_start_loc`` holds the running
 sum of query lengths, ``seq_lens`` the context after this step, ``block_table`` one padded row per
 request and ``slot_mapping`` the cache slot of every new token. Logits are computed only at the
@@ -36,6 +37,7 @@ from paged.core.engine.distributed import get_tp, shard_heads
 from paged.core.engine.input_batch import InputBatch
 from paged.core.utils import cdiv
 from paged.core.engine.sampler import Sampler, SamplerOutput
+from paged.core.engine.spec_decode import DraftRow, accepted_tokens, draft_rows
 from paged.core.engine.scheduler import SchedulerOutput
 from paged.core.errors import ConfigError
 from paged.core.loading.loader import build_model
@@ -56,6 +58,8 @@ def resolve_device(setting: str) -> torch.device:
 class StepResult:
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, object]
+    # requests that verified drafts: (accepted tokens with the last sampled one, their logprobs or None)
+    spec_outputs: dict[str, tuple[list[int], list | None]] | None = None
 
 
 _HEADER = 5  # num_reqs, num_tokens, num_decodes, max_blocks, num_logits_rows
@@ -74,6 +78,7 @@ class StepInputs:
     block_table: np.ndarray  # [num_reqs, max_blocks] int32
     slot_mapping: np.ndarray  # [num_tokens] int64
     logits_rows: np.ndarray  # [num_sampled] int64
+    num_draft_rows: int = 0  # of logits_rows, those at draft tokens (rank 0 only: not broadcast)
 
     def pack(self) -> np.ndarray:
         """One int64 array: a 5-number header, then the arrays in field order."""
@@ -90,6 +95,10 @@ class StepInputs:
         ids, pos, qsl, seq, table, slots, rows = np.split(packed[_HEADER:], np.cumsum(sizes)[:-1])
         return cls(num_decodes, ids, pos, qsl.astype(np.int32), seq.astype(np.int32),
                    table.astype(np.int32).reshape(num_reqs, max_blocks), slots, rows)
+
+
+def _num_new_tokens(scheduled) -> int:
+    return scheduled.num_new_tokens
 
 
 class ModelRunner:
@@ -301,20 +310,48 @@ class ModelRunner:
         if not sample_requests:
             return StepResult({}, {})
         sampled: SamplerOutput = self.sampler.sample(logits, sample_requests)
+        if inputs.num_draft_rows:
+            return self._verified(sample_requests, sampled)
         token_ids = {r.request_id: t for r, t in zip(sample_requests, sampled.token_ids)}
         logprobs = {r.request_id: lp for r, lp in zip(sample_requests, sampled.logprobs) if lp is not None}
         return StepResult(token_ids, logprobs)
 
+    @staticmethod
+    def _verified(rows: list, sampled: SamplerOutput) -> StepResult:
+        """Split the sampled rows into plain requests' tokens and the accepted tokens of those
+        that verified drafts (``paged.core.engine.spec_decode``: a request's rows are consecutive,
+        row 0 the request itself, then one ``DraftRow`` per draft)."""
+        token_ids, logprobs, spec_outputs = {}, {}, {}
+        i, num = 0, len(rows)
+        while i < num:
+            request = rows[i]
+            j = i + 1
+            while j < num and type(rows[j]) is DraftRow:
+                j += 1
+            if j == i + 1:
+                token_ids[request.request_id] = sampled.token_ids[i]
+                if sampled.logprobs[i] is not None:
+                    logprobs[request.request_id] = sampled.logprobs[i]
+            else:
+                accepted = accepted_tokens(rows[j - 1].drafts, sampled.token_ids[i:j])
+                lps = sampled.logprobs[i:i + len(accepted)] if sampled.logprobs[i] is not None else None
+                spec_outputs[request.request_id] = (accepted, lps)
+            i = j
+        return StepResult(token_ids, logprobs, spec_outputs)
+
     def _prepare_inputs(self, output: SchedulerOutput) -> tuple[StepInputs, list]:
         """Flatten the scheduled requests (decodes first), every one held by ``input_batch``;
         also the requests sampled this step, in the order of ``logits_rows``."""
-        order = sorted(output.scheduled, key=lambda s: s.num_new_tokens != 1)  # stable within each group
+        # shortest queries first (decodes, then verifications and short chunks; stable among equals):
+        # backends take decodes first, and the CPU kernel takes the short queries after them too
+        order = sorted(output.scheduled, key=_num_new_tokens)
         num_reqs = len(order)
         row_of = self.input_batch.row_of
         # The one per-request Python pass: what only the scheduler's objects know.
         rows, starts, query_lens, token_ids = [], [], [], []
         sample_index: list[int] = []
         sample_requests = []
+        draft_logits_rows: list[int] | None = None  # with drafts: every logits row, in order
         for i, s in enumerate(order):
             request = s.request
             start, n = s.num_computed_tokens, s.num_new_tokens
@@ -323,10 +360,18 @@ class ModelRunner:
             query_lens.append(n)
             if n == 1:
                 token_ids.append(request.all_token_ids[start])
+            elif s.spec_token_ids:  # the last known token, then the drafts: logits at each
+                token_ids.append(request.all_token_ids[start])
+                token_ids.extend(s.spec_token_ids)
+                if draft_logits_rows is None:
+                    draft_logits_rows = []
             else:
                 token_ids.extend(request.all_token_ids[start : start + n])
             if s.is_sampled:
-                sample_requests.append(request)
+                if s.spec_token_ids:
+                    sample_requests.extend(draft_rows(request, s.spec_token_ids))
+                else:
+                    sample_requests.append(request)
                 sample_index.append(i)
         rows_arr = np.array(rows, dtype=np.int64)
         starts_arr = np.array(starts, dtype=np.int64)
@@ -351,6 +396,15 @@ class ModelRunner:
             slot_mapping=self.input_batch.slot_mapping(token_rows, positions, self.block_size),
             logits_rows=qsl[1:][sample_index].astype(np.int64) - 1,
         )
+        if draft_logits_rows is not None:
+            num_draft_rows = 0
+            for i in sample_index:
+                k = len(order[i].spec_token_ids)
+                end = int(qsl[i + 1])
+                draft_logits_rows.extend(range(end - 1 - k, end))
+                num_draft_rows += k
+            inputs.logits_rows = np.array(draft_logits_rows, dtype=np.int64)
+            inputs.num_draft_rows = num_draft_rows
         return inputs, sample_requests
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor | None:

@@ -58,6 +58,9 @@ class Request:
     # Structured output: the matcher (paged.core.structured_output.GrammarMatcher), set by the
     # engine core once compiled; it has accepted exactly output_token_ids.
     grammar: Any = None
+    # Speculative decoding: the drafts the proposer made for the next step (the scheduler takes
+    # them, paged.core.engine.spec_decode); never part of all_token_ids.
+    spec_token_ids: list[int] = field(default_factory=list)
     # Set by the policy at admission; compared with < (lower runs first, higher is preempted).
     sort_key: tuple = ()
     # Policy inputs the scheduler maintains (read through RequestView).
@@ -76,6 +79,16 @@ class Request:
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.all_token_ids = list(self.prompt_token_ids)
         self.view = RequestView(self)  # what policies see
+        self._draft_view = None
+
+    @property
+    def draft_view(self):
+        """What a speculative proposer sees (paged.core.speculative.DraftRequest), made once."""
+        if self._draft_view is None:
+            from paged.core.speculative import DraftRequest
+
+            self._draft_view = DraftRequest(self)
+        return self._draft_view
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -59,18 +59,23 @@ class ScheduledRequest:
     num_computed_tokens: int  # before this step
     num_new_tokens: int
     new_block_ids: list[int]
+    # Speculative decoding: the draft tokens verified this step, fed after the request's last
+    # known token (num_new_tokens counts them too).
+    spec_token_ids: list[int]
     # Whether this step completes the request's known tokens, so a token is sampled. Fixed when
     # scheduled: update_from_output appends the sampled token, which would change the answer.
     is_sampled: bool = field(init=False)
 
-    def __init__(self, request: Request, num_computed_tokens: int, num_new_tokens: int, new_block_ids: list[int]):
+    def __init__(self, request: Request, num_computed_tokens: int, num_new_tokens: int, new_block_ids: list[int],
+                 spec_token_ids: list[int] = ()):
         # Written out (the dataclass keeps it) rather than __post_init__: one call less, made
         # for every scheduled request at every step.
         self.request = request
         self.num_computed_tokens = num_computed_tokens
         self.num_new_tokens = num_new_tokens
         self.new_block_ids = new_block_ids
-        self.is_sampled = num_computed_tokens + num_new_tokens == request.num_tokens
+        self.spec_token_ids = spec_token_ids
+        self.is_sampled = num_computed_tokens + num_new_tokens - len(spec_token_ids) == request.num_tokens
 
 
 @dataclass
@@ -145,6 +150,7 @@ class Scheduler:
         self.running: list[Request] = []  # in policy order (sorted by sort_key)
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
+        self.spec_stats = None  # speculative decoding's counters (SpecDecodeStats), set by the engine core
 
     # --- requests in and out -----------------------------------------------------------
     def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -267,6 +273,7 @@ class Scheduler:
             request.sort_key = self._key(request, now)  # its place in the queue from now on
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.push(request)  # same sort_key: back at its place in the order
@@ -356,11 +363,18 @@ class Scheduler:
             request = self.running[i]
             # _chunk, inlined: this loop runs for every running request at every step.
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            drafts = ()
             if num_new > 1:  # a prefill chunk: capped by the chunk size and the prefill share
                 if threshold and num_new > threshold:
                     num_new = threshold
                 if prefill_left is not None and num_new > prefill_left:
                     num_new = prefill_left
+            elif request.spec_token_ids:  # a decode with drafts to verify (as many as the budget allows)
+                drafts = request.spec_token_ids
+                request.spec_token_ids = []
+                if len(drafts) >= budget:
+                    drafts = drafts[: budget - 1]
+                num_new = 1 + len(drafts)
             if num_new <= 0:  # waiting for tokens that another step produces, or no prefill share left
                 i += 1
                 continue
@@ -368,6 +382,9 @@ class Scheduler:
                 new_blocks = self.kv.allocate_slots(request, num_new)
                 if new_blocks is not None:
                     break
+                if drafts:  # too few blocks for the lookahead: decode without it before preempting anyone
+                    drafts, num_new = (), 1
+                    continue
                 victim = self._victim(self.running[i:])
                 self._preempt(victim, output)
                 if victim is request:
@@ -375,7 +392,7 @@ class Scheduler:
             if new_blocks is None:
                 continue  # it preempted itself; running[i] is now the next request
             new_block_ids = [b.block_id for b in new_blocks] if new_blocks else []  # mostly empty
-            scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new, new_block_ids))
+            scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new, new_block_ids, drafts))
             request.num_computed_tokens += num_new
             request.num_service_tokens += num_new
             budget -= num_new
@@ -460,12 +477,14 @@ class Scheduler:
         return output
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled_token_ids: dict[str, int], logprobs: dict[str, TokenLogprobs] | None = None
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, int], logprobs: dict[str, TokenLogprobs] | None = None,
+        spec_outputs: dict[str, tuple[list[int], list[TokenLogprobs] | None]] | None = None,
     ) -> list[EngineCoreOutput]:
         """Advance each constrained request's grammar by its sampled token, append the token,
         apply stop conditions, free finished requests: every finish decision of a step is here.
         Returns the step's outputs: one per request that received a token (finished ones
-        included), with its ``logprobs`` entry when there is one."""
+        included), with its ``logprobs`` entry when there is one. A request that verified drafts
+        gets its accepted tokens from ``spec_outputs`` (``_append_accepted``)."""
         updated = []
         now = self.clock()
         running = RequestStatus.RUNNING
@@ -473,6 +492,10 @@ class Scheduler:
             if not scheduled.is_sampled:  # still in prefill: no token, whatever the runner sent
                 continue
             request = scheduled.request
+            if scheduled.spec_token_ids:
+                if request.status is running and spec_outputs and request.request_id in spec_outputs:
+                    updated.append(self._append_accepted(scheduled, *spec_outputs[request.request_id], now))
+                continue
             token = sampled_token_ids.get(request.request_id)
             # Skip one aborted since it was scheduled (a request in the output is RUNNING
             # otherwise: nothing preempts it before the next step).
@@ -496,6 +519,39 @@ class Scheduler:
                 self._free(request)
             updated.append(EngineCoreOutput.of(request, logprobs.get(request.request_id) if logprobs else None))
         return updated
+
+
+    def _append_accepted(self, scheduled: ScheduledRequest, tokens: list[int], logprobs: list[TokenLogprobs] | None,
+                         now: float) -> EngineCoreOutput:
+        """Roll ``num_computed_tokens`` back past the rejected drafts (their slots are rewritten
+        before anything reads them; they were never hashed), then append the accepted tokens
+        one at a time, each checked for a stop as a token of a plain step is."""
+        request = scheduled.request
+        num_drafts = len(scheduled.spec_token_ids)
+        num_accepted = len(tokens) - 1
+        request.num_computed_tokens -= num_drafts - num_accepted
+        if self.spec_stats is not None:
+            self.spec_stats.record(num_drafts, num_accepted)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        appended = 0
+        status = None
+        for token in tokens:
+            request.append_output_token(token)
+            appended += 1
+            status = request.check_stop(self.max_model_len)
+            if status is not None:
+                break
+        if status is not None:
+            self.running.remove(request)
+            request.status = status
+            self._free(request)
+        out = EngineCoreOutput.of(request, None)
+        if appended > 1:
+            out.new_token_ids = request.output_token_ids[-appended:]
+        if logprobs is not None:
+            out.logprobs = logprobs[:appended]
+        return out
 
 
 def check_request_fits(

@@ -128,6 +128,10 @@ class IncrementalDetokenizer:
 
     # ------------------------------------------------------------------ API
 
+    @property
+    def has_stop_strings(self) -> bool:
+        return bool(self._stops)
+
     def update(self, new_token_ids: list[int]) -> str:
         """Add generated token ids; return the text to emit now ('' once stopped)."""
         if self.stopped or self.finished:

@@ -29,6 +29,8 @@ def settings_to_overrides(settings: dict[str, Any]) -> dict[str, Any]:
     sections = {n for n, f in EngineConfig.model_fields.items() if n != "device"}
     out: dict[str, Any] = {}
     for key, value in settings.items():
+        if key == "speculative_config":  # vLLM's name for the section
+            key = "speculative"
         if key in sections and isinstance(value, dict):
             out.setdefault(key, {}).update(value)
         elif key in by_name:

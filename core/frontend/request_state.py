@@ -58,17 +58,27 @@ class SampleState:
     def append(self, core_out: EngineCoreOutput) -> bool:
         """Add one core output of this (unfinished) sample. True when a stop string ended it
         here while the core still runs it (the caller aborts it in the core)."""
-        new_ids = core_out.new_token_ids
+        new_ids, new_logprobs = core_out.new_token_ids, core_out.logprobs
+        detokenizer = self.detokenizer
+        if len(new_ids) > 1 and detokenizer.has_stop_strings:
+            # several tokens at once (speculative decoding): a stop string ends the output at the
+            # token that completes it, as it would one token a step
+            delta = ""
+            for j, token in enumerate(new_ids):
+                delta += detokenizer.update([token])
+                if detokenizer.stopped:
+                    new_ids, new_logprobs = new_ids[:j + 1], new_logprobs[:j + 1]
+                    break
+        else:
+            delta = detokenizer.update(new_ids)
         self.token_ids.extend(new_ids)
         steps = self.request.output_kind is not _FINAL_ONLY  # (final: the increments are everything)
         if steps:  # increments last one step (each step's output is handed out), so they stay small
             self.new_token_ids = new_ids if not self.new_token_ids else self.new_token_ids + new_ids
         if self.logprobs is not None:
-            self.logprobs.extend(core_out.logprobs)
+            self.logprobs.extend(new_logprobs)
             if steps:
-                self.new_logprobs = core_out.logprobs if not self.new_logprobs else self.new_logprobs + core_out.logprobs
-        detokenizer = self.detokenizer
-        delta = detokenizer.update(new_ids)
+                self.new_logprobs = new_logprobs if not self.new_logprobs else self.new_logprobs + new_logprobs
         stopped_here = False
         if detokenizer.stopped:
             stopped_here = core_out.finish_reason is None

@@ -81,6 +81,10 @@ _CORE_METRICS = [
     ("paged:prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache", "prefix_cache_hits"),
     ("paged:num_preemptions", "counter", "Preemptions of running requests", "num_preemptions"),
     ("paged:engine_steps", "counter", "Engine steps run", "num_steps"),
+    # speculative decoding (vLLM's spec_decode names)
+    ("paged:spec_decode_num_drafts", "counter", "Requests' steps verified with draft tokens", "spec_decode_num_drafts"),
+    ("paged:spec_decode_num_draft_tokens", "counter", "Draft tokens verified", "spec_decode_num_draft_tokens"),
+    ("paged:spec_decode_num_accepted_tokens", "counter", "Draft tokens accepted", "spec_decode_num_accepted_tokens"),
 ]
 
 

@@ -128,17 +128,19 @@ def _host_only_runner(captured: list) -> ModelRunner:
 
 def _expected_inputs(scheduled: list[ScheduledRequest], blocks: dict[str, list[int]]) -> dict:
     """The step's inputs token by token, from the per-request block lists kept by hand."""
-    order = [s for s in scheduled if s.num_new_tokens == 1] + [s for s in scheduled if s.num_new_tokens != 1]
+    # by query length, shortest first; equal lengths in scheduled order
+    order = [s for n in sorted({s.num_new_tokens for s in scheduled}) for s in scheduled if s.num_new_tokens == n]
     ids, positions, slots, qsl, seq_lens, rows = [], [], [], [0], [], []
     for i, s in enumerate(order):
+        tokens = s.request.all_token_ids + list(s.spec_token_ids)  # drafts follow the last known token
         for p in range(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens):
-            ids.append(s.request.all_token_ids[p])
+            ids.append(tokens[p])
             positions.append(p)
             slots.append(blocks[s.request.request_id][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
         qsl.append(qsl[-1] + s.num_new_tokens)
         seq_lens.append(s.num_computed_tokens + s.num_new_tokens)
-        if s.num_computed_tokens + s.num_new_tokens == s.request.num_tokens:
-            rows.append(qsl[-1] - 1)
+        if s.num_computed_tokens + s.num_new_tokens - len(s.spec_token_ids) == s.request.num_tokens:
+            rows.extend(range(qsl[-1] - 1 - len(s.spec_token_ids), qsl[-1]))  # a row per draft, and one more
     return {
         "num_decodes": sum(1 for s in order if s.num_new_tokens == 1),
         "input_ids": ids, "positions": positions, "slot_mapping": slots, "query_start_loc": qsl,
@@ -149,9 +151,10 @@ def _expected_inputs(scheduled: list[ScheduledRequest], blocks: dict[str, list[i
 
 @pytest.mark.parametrize("seed", range(4))
 def test_runner_steps_match_a_per_token_computation(seed):
-    """Requests arrive (some with a prefix-cache hit), prefill in chunks, decode, get preempted
-    and re-admitted, finish (reported the step after, as the scheduler does) and have their ids
-    reused; only some running requests are scheduled each step."""
+    """Requests arrive (some with a prefix-cache hit), prefill in chunks, decode (some verifying
+    1-4 speculative drafts, accepted up to a random point), get preempted and re-admitted, finish
+    (reported the step after, as the scheduler does) and have their ids reused; only some running
+    requests are scheduled each step."""
     rng = random.Random(seed)
     captured: list = []
     runner = _host_only_runner(captured)
@@ -173,9 +176,13 @@ def test_runner_steps_match_a_per_token_computation(seed):
             computed = request.num_computed_tokens
             left = request.num_tokens - computed
             n = 1 if left == 1 else rng.randint(1, min(left, 9))
+            drafts = []  # a decode verifying drafts (7: what the stub sampler accepts)
+            if left == 1 and rng.random() < 0.4:
+                drafts = [rng.choice([7, 7, 8]) for _ in range(rng.randint(1, 4))]
+                n += len(drafts)
             new = [rng.randrange(500) for _ in range(cdiv(computed + n, BLOCK_SIZE) - len(blocks[req_id]))]
             blocks[req_id].extend(new)
-            output.scheduled.append(ScheduledRequest(request, computed, n, new))
+            output.scheduled.append(ScheduledRequest(request, computed, n, new, drafts))
             request.num_computed_tokens += n
         while rng.random() < 0.4:
             if waiting and rng.random() < 0.5:
@@ -205,7 +212,17 @@ def test_runner_steps_match_a_per_token_computation(seed):
         # What update_from_output would do: append the sampled tokens, finish some requests.
         for s in output.scheduled:
             request = s.request
-            if s.is_sampled:
+            if s.is_sampled and s.spec_token_ids:  # the drafts up to the first that is not 7, then a 7
+                accepted = next((j for j, t in enumerate(s.spec_token_ids) if t != 7), len(s.spec_token_ids))
+                tokens, _ = result.spec_outputs[request.request_id]
+                assert tokens == [7] * (accepted + 1)
+                request.num_computed_tokens -= len(s.spec_token_ids) - accepted
+                for t in tokens:
+                    request.append_output_token(t)
+                if request.num_output_tokens >= request.max_tokens or rng.random() < 0.1:
+                    del running[request.request_id], blocks[request.request_id]
+                    finished_since_last.append(request.request_id)
+            elif s.is_sampled:
                 assert result.sampled_token_ids[request.request_id] == 7
                 request.append_output_token(7)
                 if request.num_output_tokens >= request.max_tokens or rng.random() < 0.1:
