@@ -76,12 +76,15 @@ inline void accumulate_rows(float* acc, float alpha, const float* p, const float
 // unrolled and their accumulators stay in registers; 0: any head dim, read at run time.
 // window > 0: request b attends over its last `window` positions only (those before are never
 // read: their blocks may have been freed); soft_cap > 0: scores become cap * tanh(scores / cap).
+// groups (nullptr: every query row its own request): request b's query rows are groups[b] ..
+// groups[b + 1] - 1, consecutive tokens of one sequence (each row's seq_len one more than the
+// previous one's), sharing block-table row b; a tile's K/V rows are read once for all of them.
 template <typename T, int64_t HEAD_DIM>
 void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
-                       const at::Tensor& out, int64_t window, double soft_cap) {
+                       const at::Tensor& out, int64_t window, double soft_cap, const int32_t* groups, int64_t B) {
   constexpr bool is_fp32 = std::is_same<T, float>::value;
-  const int64_t B = q.size(0), H = q.size(1), D = HEAD_DIM > 0 ? HEAD_DIM : q.size(2);
+  const int64_t H = q.size(1), D = HEAD_DIM > 0 ? HEAD_DIM : q.size(2);
   const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2), G = H / Hkv;
   const int64_t row = Hkv * D;  // elements per cached position
   const int64_t DV = D / W * W;  // head dims covered by whole vectors; the rest (D % 16) is scalar
@@ -101,15 +104,18 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   // prefetchers follow), else (request, KV head) pairs so that a small batch still keeps every
   // thread busy.
   const int64_t heads_per_item = B >= 2 * at::get_num_threads() ? Hkv : 1;
-  const int64_t items_per_req = Hkv / heads_per_item, QH = heads_per_item * G;  // query heads per item
+  const int64_t items_per_req = Hkv / heads_per_item, QH = heads_per_item * G;  // query heads per item and row
   const int64_t items = B * items_per_req;
+  int64_t max_rows = 1;  // query rows of the largest group
+  for (int64_t b = 0; groups != nullptr && b < B; ++b) max_rows = std::max<int64_t>(max_rows, groups[b + 1] - groups[b]);
+  const int64_t QS = max_rows * QH;  // softmax states per item
   // Split-KV: with fewer items than two per thread (batch 1: one per KV head, 3 for 2 threads
   // here), each item's positions are cut into `splits` runs of whole tiles, computed as separate
   // work units, and their softmax states (max, sum, accumulator) merged at the end.
   const int64_t num_threads = at::get_num_threads();
   const int64_t splits = items < 2 * num_threads ? (2 * num_threads + items - 1) / items : 1;
   const int64_t units = items * splits;
-  std::vector<float> partial(splits > 1 ? units * QH * (D + 2) : 0);  // per unit and query head: m, l, acc[D]
+  std::vector<float> partial(splits > 1 ? units * QS * (D + 2) : 0);  // per unit and query state: m, l, acc[D]
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, units)));
 
   // Dynamic scheduling, not at::parallel_for's static halves: contexts are ragged (and a core
@@ -117,24 +123,29 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
 #pragma omp parallel num_threads(threads)
   {
     // per-thread scratch; k/v_stage: a KV head's tile rows widened to fp32 (bf16/fp16 caches)
-    std::vector<float> qf(QH * D), acc(QH * D), s(TILE), m(QH), l(QH);
+    std::vector<float> qf(QS * D), acc(QS * D), s(TILE), m(QS), l(QS);
     std::vector<float> k_stage(is_fp32 ? 0 : TILE * D), v_stage(is_fp32 ? 0 : TILE * D);
     std::vector<int64_t> rows(TILE), stage_rows(TILE);
     for (int64_t t = 0; t < TILE; ++t) stage_rows[t] = t * D;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t unit = 0; unit < units; ++unit) {
       const int64_t item = unit / splits, split = unit % splits;
-      // query heads h0 * G + i, i < QH; query head i uses KV head h0 + i / G
-      const int64_t b = item / items_per_req, h0 = item % items_per_req * heads_per_item, len = lens[b];
-      for (int64_t i = 0; i < QH; ++i) {  // the queries in fp32, scale folded in
-        const T* src = qp + b * q_s0 + (h0 * G + i) * q_s1;
-        for (int64_t d = 0; d < D; ++d) qf[i * D + d] = static_cast<float>(src[d]) * fscale;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.end(), 0.f);
-      // the positions attended: lo .. len - 1 (all of them without a window)
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0, span = len - lo;
+      // query rows r0 .. r0 + nr - 1; state r * QH + i is row r0 + r's query head h0 * G + i,
+      // which uses KV head h0 + i / G
+      const int64_t b = item / items_per_req, h0 = item % items_per_req * heads_per_item;
+      const int64_t r0 = groups != nullptr ? groups[b] : b, nr = groups != nullptr ? groups[b + 1] - r0 : 1;
+      const int64_t ns = nr * QH, len = lens[r0 + nr - 1];  // the last row sees the most positions
+      for (int64_t r = 0; r < nr; ++r)
+        for (int64_t i = 0; i < QH; ++i) {  // the queries in fp32, scale folded in
+          const T* src = qp + (r0 + r) * q_s0 + (h0 * G + i) * q_s1;
+          for (int64_t d = 0; d < D; ++d) qf[(r * QH + i) * D + d] = static_cast<float>(src[d]) * fscale;
+        }
+      std::fill(acc.begin(), acc.begin() + ns * D, 0.f);
+      std::fill(m.begin(), m.begin() + ns, -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.begin() + ns, 0.f);
+      // the positions attended: lo .. len - 1 (all of them without a window), from the first
+      // row's window start; row r sees lo_r .. lens[r0 + r] - 1 of them
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, lens[r0] - window) : 0, span = len - lo;
       const int64_t tiles_per_split = ((span + TILE - 1) / TILE + splits - 1) / splits;
       const int64_t first = lo + std::min(span, split * tiles_per_split * TILE);
       const int64_t last = lo + std::min(span, (split + 1) * tiles_per_split * TILE);
@@ -146,9 +157,10 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
         }
         const float *kf = nullptr, *vf = nullptr;  // the current KV head's rows, fp32: kf + off[t]
         const int64_t* off = nullptr;
-        for (int64_t i = 0; i < QH; ++i) {
-          if (i % G == 0) {  // the next KV head
-            const int64_t kv = (h0 + i / G) * D;
+        for (int64_t c = 0; c < ns; ++c) {  // KV head by KV head; each row's heads of its group
+          const int64_t g = c / (nr * G), r = c / G % nr, i = g * G + c % G;  // head i of row r
+          if (c % (nr * G) == 0) {  // the next KV head
+            const int64_t kv = (h0 + g) * D;
             if constexpr (is_fp32) {  // read in place
               kf = reinterpret_cast<const float*>(kp) + kv;
               vf = reinterpret_cast<const float*>(vp) + kv;
@@ -172,10 +184,15 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
               off = stage_rows.data();
             }
           }
+          // this row's part of the tile: positions lo_r .. len_r - 1 only
+          const int64_t len_r = lens[r0 + r], lo_r = window > 0 ? std::max<int64_t>(0, len_r - window) : 0;
+          const int64_t t0 = std::max<int64_t>(0, lo_r - start), t1 = std::min<int64_t>(n, len_r - start);
+          if (t1 <= t0) continue;  // none of its positions in this tile
+          const int64_t si = r * QH + i;  // its softmax state
           // scores of the tile and their max (the group's later heads find the rows in L1)
-          const float* qi = qf.data() + i * D;
+          const float* qi = qf.data() + si * D;
           float tile_max = -std::numeric_limits<float>::infinity();
-          for (int64_t t = 0; t < n; ++t) {
+          for (int64_t t = t0; t < t1; ++t) {
             const float* k = kf + off[t];
             vec a = {};
             for (int64_t d = 0; d < DV; d += W) a += load_vec(qi + d) * load_vec(k + d);
@@ -187,67 +204,72 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
           if (capped) {  // soft-capping is monotonic, but the max must be of the capped scores
             tile_max = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : tile_max)
-            for (int64_t t = 0; t < n; ++t) {
+            for (int64_t t = t0; t < t1; ++t) {
               s[t] = cap * tanh_vec(s[t] * inv_cap);
               tile_max = std::max(tile_max, s[t]);
             }
           }
           // online softmax: new running max, weights, rescale of what was accumulated so far
-          const float m_new = std::max(m[i], tile_max);
-          const float alpha = std::exp(m[i] - m_new);  // 0 on the first tile (m = -inf)
+          const float m_new = std::max(m[si], tile_max);
+          const float alpha = std::exp(m[si] - m_new);  // 0 on the first tile (m = -inf)
           float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < n; ++t) {
+          for (int64_t t = t0; t < t1; ++t) {
             s[t] = exp_nonpositive(s[t] - m_new);
             sum += s[t];
           }
-          l[i] = l[i] * alpha + sum;
-          m[i] = m_new;
+          l[si] = l[si] * alpha + sum;
+          m[si] = m_new;
           // weighted V rows into the fp32 accumulator, 4 vectors (64 dims) at a time
-          float* ai = acc.data() + i * D;
+          float* ai = acc.data() + si * D;
+          const float* p = s.data() + t0;
+          const int64_t* rows_t = off + t0;
+          const int64_t nt = t1 - t0;
           int64_t d = 0;
-          for (; d + 4 * W <= DV; d += 4 * W) accumulate_rows<4>(ai + d, alpha, s.data(), vf + d, off, n);
-          for (; d < DV; d += W) accumulate_rows<1>(ai + d, alpha, s.data(), vf + d, off, n);
+          for (; d + 4 * W <= DV; d += 4 * W) accumulate_rows<4>(ai + d, alpha, p, vf + d, rows_t, nt);
+          for (; d < DV; d += W) accumulate_rows<1>(ai + d, alpha, p, vf + d, rows_t, nt);
           for (; d < D; ++d) {
             float a = ai[d] * alpha;
-            for (int64_t t = 0; t < n; ++t) a += s[t] * vf[off[t] + d];
+            for (int64_t t = 0; t < nt; ++t) a += p[t] * vf[rows_t[t] + d];
             ai[d] = a;
           }
         }
       }
-      if (splits > 1) {  // this run's softmax state, merged below
-        for (int64_t i = 0; i < QH; ++i) {
-          float* dst = partial.data() + (unit * QH + i) * (D + 2);
-          dst[0] = m[i];
-          dst[1] = l[i];
-          std::memcpy(dst + 2, acc.data() + i * D, D * sizeof(float));
+      if (splits > 1) {  // this run's softmax states, merged below
+        for (int64_t si = 0; si < ns; ++si) {
+          float* dst = partial.data() + (unit * QS + si) * (D + 2);
+          dst[0] = m[si];
+          dst[1] = l[si];
+          std::memcpy(dst + 2, acc.data() + si * D, D * sizeof(float));
         }
         continue;
       }
-      for (int64_t i = 0; i < QH; ++i) {
-        const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;  // len 0 (never for a decode): zeros
-        T* dst = op + b * o_s0 + (h0 * G + i) * o_s1;
-        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[i * D + d] * inv);
+      for (int64_t si = 0; si < ns; ++si) {
+        const float inv = l[si] > 0.f ? 1.f / l[si] : 0.f;  // len 0 (never for a decode): zeros
+        T* dst = op + (r0 + si / QH) * o_s0 + (h0 * G + si % QH) * o_s1;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[si * D + d] * inv);
       }
     }
     if (splits > 1) {  // after the loop's barrier: merge each item's runs (an empty run has m = -inf, l = 0)
 #pragma omp for schedule(static)
       for (int64_t item = 0; item < items; ++item) {
         const int64_t b = item / items_per_req, h0 = item % items_per_req * heads_per_item;
-        for (int64_t i = 0; i < QH; ++i) {
+        const int64_t r0 = groups != nullptr ? groups[b] : b, nr = groups != nullptr ? groups[b + 1] - r0 : 1;
+        for (int64_t si = 0; si < nr * QH; ++si) {
+          const int64_t i = si % QH;
           float m_all = -std::numeric_limits<float>::infinity();
-          for (int64_t j = 0; j < splits; ++j) m_all = std::max(m_all, partial[((item * splits + j) * QH + i) * (D + 2)]);
+          for (int64_t j = 0; j < splits; ++j) m_all = std::max(m_all, partial[((item * splits + j) * QS + si) * (D + 2)]);
           float l_all = 0.f;
           std::fill(acc.begin(), acc.begin() + D, 0.f);
           for (int64_t j = 0; j < splits; ++j) {
-            const float* src = partial.data() + ((item * splits + j) * QH + i) * (D + 2);
+            const float* src = partial.data() + ((item * splits + j) * QS + si) * (D + 2);
             if (src[1] == 0.f) continue;  // an empty run
             const float w = std::exp(src[0] - m_all);
             l_all += src[1] * w;
             for (int64_t d = 0; d < D; ++d) acc[d] += src[2 + d] * w;
           }
           const float inv = l_all > 0.f ? 1.f / l_all : 0.f;
-          T* dst = op + b * o_s0 + (h0 * G + i) * o_s1;
+          T* dst = op + (r0 + si / QH) * o_s0 + (h0 * G + i) * o_s1;
           for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[d] * inv);
         }
       }
@@ -255,9 +277,9 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   }
 }
 
-void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                  const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
-                  const at::Tensor& out, int64_t window, double soft_cap) {
+void check_decode_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& out, int64_t window,
+                       double soft_cap, int64_t min_table_rows) {
   TORCH_CHECK(window >= 0 && soft_cap >= 0.0, "paged_decode: window and soft_cap must be >= 0 (0: none)");
   for (const at::Tensor* t : {&q, &k_cache, &v_cache, &block_table, &seq_lens, &out})
     TORCH_CHECK(t->device().is_cpu(), "paged_decode: CPU tensors only");
@@ -271,17 +293,52 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
               "paged_decode: shapes do not match (q and out [B, H, D], H a multiple of Hkv)");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "paged_decode: q and out need a contiguous last dim");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 && block_table.stride(1) == 1 &&
-                  block_table.size(0) >= q.size(0),
+                  block_table.size(0) >= min_table_rows,
               "paged_decode: block_table [>= B, max_blocks] int32");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() && seq_lens.numel() >= q.size(0),
               "paged_decode: seq_lens [>= B] int32");
+}
+
+void dispatch(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
+              const at::Tensor& seq_lens, double scale, const at::Tensor& out, int64_t window, double soft_cap,
+              const int32_t* groups, int64_t B) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_decode", [&] {
     switch (q.size(2)) {
-      case 64: return paged_decode_impl<scalar_t, 64>(q, k_cache, v_cache, block_table, seq_lens, scale, out, window, soft_cap);
-      case 128: return paged_decode_impl<scalar_t, 128>(q, k_cache, v_cache, block_table, seq_lens, scale, out, window, soft_cap);
-      default: return paged_decode_impl<scalar_t, 0>(q, k_cache, v_cache, block_table, seq_lens, scale, out, window, soft_cap);
+      case 64: return paged_decode_impl<scalar_t, 64>(q, k_cache, v_cache, block_table, seq_lens, scale, out, window, soft_cap, groups, B);
+      case 128: return paged_decode_impl<scalar_t, 128>(q, k_cache, v_cache, block_table, seq_lens, scale, out, window, soft_cap, groups, B);
+      default: return paged_decode_impl<scalar_t, 0>(q, k_cache, v_cache, block_table, seq_lens, scale, out, window, soft_cap, groups, B);
     }
   });
+}
+
+void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
+                  const at::Tensor& out, int64_t window, double soft_cap) {
+  check_decode_args(q, k_cache, v_cache, block_table, seq_lens, out, window, soft_cap, q.size(0));
+  dispatch(q, k_cache, v_cache, block_table, seq_lens, scale, out, window, soft_cap, nullptr, q.size(0));
+}
+
+// paged_decode with the query rows in groups: request b's rows are groups[b] .. groups[b + 1] - 1
+// (consecutive tokens of one sequence, seq_lens one apart, block-table row b): what a speculative
+// verification or a short prefill chunk needs, each K/V tile read once for the group's rows.
+void paged_decode_grouped(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& groups,
+                          double scale, const at::Tensor& out, int64_t window, double soft_cap) {
+  check_decode_args(q, k_cache, v_cache, block_table, seq_lens, out, window, soft_cap, 0);
+  TORCH_CHECK(groups.device().is_cpu() && groups.scalar_type() == at::kInt && groups.dim() == 1 &&
+                  groups.is_contiguous() && groups.numel() >= 2,
+              "paged_decode_grouped: groups [B + 1] int32");
+  const int64_t B = groups.numel() - 1;
+  const int32_t* g = groups.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  TORCH_CHECK(g[0] == 0 && g[B] == q.size(0), "paged_decode_grouped: groups must run from 0 to the number of rows");
+  TORCH_CHECK(block_table.size(0) >= B, "paged_decode_grouped: block_table needs a row per group");
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(g[b + 1] > g[b], "paged_decode_grouped: group ", b, " is empty");
+    for (int64_t r = g[b] + 1; r < g[b + 1]; ++r)
+      TORCH_CHECK(lens[r] == lens[r - 1] + 1, "paged_decode_grouped: the seq_lens of group ", b, " must rise by one a row");
+  }
+  dispatch(q, k_cache, v_cache, block_table, seq_lens, scale, out, window, soft_cap, g, B);
 }
 
 // Each new token's K and V rows into the cache at its slot (what two index_copy_ calls do, in one
@@ -324,6 +381,13 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
   }
 }
 
+// write_and_decode with grouped query rows (paged_decode_grouped).
+at::Tensor write_and_decode_grouped(const at::Tensor& q, const at::Tensor& key, const at::Tensor& value,
+                                    const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                    const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                                    const at::Tensor& seq_lens, const at::Tensor& groups, double scale, int64_t window,
+                                    double soft_cap);
+
 // A step of decodes only, one call per layer: the new K/V rows into the caches, then attention.
 at::Tensor write_and_decode(const at::Tensor& q, const at::Tensor& key, const at::Tensor& value,
                             const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping,
@@ -332,6 +396,17 @@ at::Tensor write_and_decode(const at::Tensor& q, const at::Tensor& key, const at
   write_kv(key, value, k_cache, v_cache, slot_mapping);
   at::Tensor out = at::empty(q.sizes(), q.options());
   paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale, out, window, soft_cap);
+  return out;
+}
+
+at::Tensor write_and_decode_grouped(const at::Tensor& q, const at::Tensor& key, const at::Tensor& value,
+                                    const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                    const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                                    const at::Tensor& seq_lens, const at::Tensor& groups, double scale, int64_t window,
+                                    double soft_cap) {
+  write_kv(key, value, k_cache, v_cache, slot_mapping);
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  paged_decode_grouped(q, k_cache, v_cache, block_table, seq_lens, groups, scale, out, window, soft_cap);
   return out;
 }
 
@@ -353,4 +428,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {  // the same kernels, called from eag
   m.def("write_and_decode", &write_and_decode, py::arg("q"), py::arg("key"), py::arg("value"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("slot_mapping"), py::arg("block_table"), py::arg("seq_lens"), py::arg("scale"),
         py::arg("window") = 0, py::arg("soft_cap") = 0.0, py::call_guard<py::gil_scoped_release>());
+  m.def("paged_decode_grouped", &paged_decode_grouped, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("block_table"), py::arg("seq_lens"), py::arg("groups"), py::arg("scale"), py::arg("out"),
+        py::arg("window") = 0, py::arg("soft_cap") = 0.0, py::call_guard<py::gil_scoped_release>());
+  m.def("write_and_decode_grouped", &write_and_decode_grouped, py::arg("q"), py::arg("key"), py::arg("value"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"), py::arg("block_table"), py::arg("seq_lens"),
+        py::arg("groups"), py::arg("scale"), py::arg("window") = 0, py::arg("soft_cap") = 0.0,
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -90,6 +90,11 @@ def kernels() -> ModuleType | None:
     of ~1.7): ``paged_decode(...)`` as above, ``write_kv(key, value, k_cache, v_cache,
     slot_mapping)`` (each token's K/V rows into the caches at its slot) and
     ``write_and_decode(q, key, value, k_cache, v_cache, slot_mapping, block_table, seq_lens,
-    scale, window=0, soft_cap=0.) -> out`` (both, for a step of decodes only). ``None`` where
-    ``load`` fails."""
+    scale, window=0, soft_cap=0.) -> out`` (both, for a step of decodes only), and the same two
+    with query rows in groups, ``paged_decode_grouped(q, k_cache, v_cache, block_table, seq_lens,
+    groups, scale, out, window=0, soft_cap=0.)`` and ``write_and_decode_grouped(..., seq_lens,
+    groups, scale, ...)``: request b's rows are ``groups[b] .. groups[b + 1] - 1`` (int32,
+    ``groups[0] = 0``), consecutive tokens of one sequence (``seq_lens`` one apart, block-table row
+    b), each K/V tile read once for all of them (speculative verification, short chunks).
+    ``None`` where ``load`` fails."""
     return _loaded.get("module") if load() is not None else None

@@ -84,11 +84,14 @@ class TorchAttentionOptions(BaseModel):
 
 @dataclass
 class FusedDecodeMetadata:
-    """The first ``num_decodes`` requests, for the fused CPU kernel: it reads the block table."""
+    """The first ``num_decodes`` query rows, for the fused CPU kernel: it reads the block table.
+    With ``groups``, request b's rows are ``groups[b] .. groups[b + 1] - 1`` (a short query, one
+    row per token) and the block table has a row per request."""
 
-    num_decodes: int
-    block_table: torch.Tensor  # [num_decodes, max_blocks_per_req] int32
-    seq_lens: torch.Tensor  # [num_decodes] int32
+    num_decodes: int  # query rows (tokens)
+    block_table: torch.Tensor  # [num_decodes (or requests), max_blocks_per_req] int32
+    seq_lens: torch.Tensor  # [num_decodes] int32, per row
+    groups: torch.Tensor | None = None  # [requests + 1] int32
 
 
 @dataclass
@@ -260,6 +263,8 @@ class TorchAttentionBackend:
             kernels = cpu_paged_decode.kernels()  # built once per process; None (warned) if it cannot be
             if kernels is not None:
                 self._kernel, self._write_and_decode = kernels.paged_decode, kernels.write_and_decode
+                self._kernel_grouped = kernels.paged_decode_grouped
+                self._write_and_decode_grouped = kernels.write_and_decode_grouped
         self._buffers = ScratchBuffers()  # gather scratch, reused by every layer and step
 
     def allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -297,10 +302,11 @@ class TorchAttentionBackend:
     def _fused_rows(self, batch: BatchInputs, shape: _StepShape, seq_lens: list[int],
                     query_start_loc: list[int]) -> FusedDecodeMetadata | None:
         """The fused kernel's rows: every decode, and each token of the short queries right after
-        them (query length <= ``SHORT_QUERY``: speculative verification, short prompts) as a row of
-        its own that attends over the positions up to its own (the kernel then is causal per row,
-        and reads the block table instead of a gathered copy of the context). The requests from
-        ``shape.first_prefill`` on are prefill chunks."""
+        them (query length <= ``SHORT_QUERY``: speculative verification, short prompts) as a row
+        that attends over the positions up to its own, the rows of one request in one group (the
+        kernel reads each K/V tile once for the group, through the block table, instead of a
+        gathered copy of the context). The requests from ``shape.first_prefill`` on are prefill
+        chunks."""
         num_decodes, num_reqs = batch.num_decodes, batch.num_reqs
         first = num_decodes
         while first < num_reqs and query_start_loc[first + 1] - query_start_loc[first] <= SHORT_QUERY:
@@ -310,15 +316,14 @@ class TorchAttentionBackend:
             if not num_decodes:
                 return None
             return FusedDecodeMetadata(num_decodes, batch.block_table[:num_decodes], batch.seq_lens[:num_decodes])
-        rows = list(range(num_decodes))
         lens = seq_lens[:num_decodes]
         for i in range(num_decodes, first):
             q_len = query_start_loc[i + 1] - query_start_loc[i]
-            rows.extend([i] * q_len)
             lens.extend(range(seq_lens[i] - q_len + 1, seq_lens[i] + 1))
         device = batch.block_table.device
-        return FusedDecodeMetadata(len(rows), batch.block_table[torch.tensor(rows, device=device)],
-                                   torch.tensor(lens, dtype=torch.int32).to(device))
+        groups = torch.tensor(query_start_loc[: first + 1], dtype=torch.int32).to(device)
+        return FusedDecodeMetadata(len(lens), batch.block_table[:first], torch.tensor(lens, dtype=torch.int32).to(device),
+                                   groups)
 
     # ---- per layer -----------------------------------------------------------------------------
 
@@ -337,7 +342,11 @@ class TorchAttentionBackend:
         decode = metadata.decode
         if (metadata.fused_decode_only and query.dtype == k_cache.dtype and query.stride(-1) == 1
                 and _rows_of_heads(key) and _rows_of_heads(value)):
-            # a step of decodes only (the steady state): KV write and attention in one C++ call
+            # a step of decodes only (the steady state), or of short queries: KV write and attention in one C++ call
+            if decode.groups is not None:
+                return self._write_and_decode_grouped(query, key, value, k_cache, v_cache, metadata.slot_mapping,
+                                                      decode.block_table, decode.seq_lens, decode.groups, scale,
+                                                      window or 0, cap or 0.0)
             return self._write_and_decode(query, key, value, k_cache, v_cache, metadata.slot_mapping,
                                           decode.block_table, decode.seq_lens, scale, window or 0, cap or 0.0)
         k_flat, v_flat = write_kv_by_slot(key, value, kv_cache, metadata.slot_mapping)
@@ -347,8 +356,12 @@ class TorchAttentionBackend:
         if isinstance(decode, FusedDecodeMetadata):
             b = decode.num_decodes
             q_dec = q[:b] if q.stride(-1) == 1 else q[:b].contiguous()
-            self._kernel(q_dec, k_cache, v_cache, decode.block_table, decode.seq_lens, scale, out[:b],
-                         window or 0, cap or 0.0)
+            if decode.groups is not None:
+                self._kernel_grouped(q_dec, k_cache, v_cache, decode.block_table, decode.seq_lens, decode.groups, scale,
+                                     out[:b], window or 0, cap or 0.0)
+            else:
+                self._kernel(q_dec, k_cache, v_cache, decode.block_table, decode.seq_lens, scale, out[:b],
+                             window or 0, cap or 0.0)
         elif decode is not None:
             self._decode(q, k_cache, v_cache, metadata.decode_for(window), out, scale, cap)
         plan = metadata.prefill_for(window)

@@ -142,6 +142,10 @@ class SpeculativeConfig(_Section):
         None, ge=1, description="no speculation in a step where more requests than this decode (verification "
         "stops being free in large batches); unset = always",
     )
+    min_acceptance_rate: float = Field(
+        0.3, ge=0, le=1, description="a request whose last 16 draft tokens were accepted less often than this is "
+        "not asked for 32 steps (a verified draft costs ~0.3 of a step on the CPU); 0 = never paused",
+    )
     options: dict[str, Any] = Field(default_factory=dict, description="the proposer's typed options")
 
     @model_validator(mode="before")
@@ -377,6 +381,7 @@ FLAG_ALIASES = {
     ("structured_output", "compile_workers"): "structured-output-compile-workers",
     ("speculative", "method"): "speculative-method",
     ("speculative", "disable_by_batch_size"): "speculative-disable-by-batch-size",
+    ("speculative", "min_acceptance_rate"): "speculative-min-acceptance-rate",
 }
 
 

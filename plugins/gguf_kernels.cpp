@@ -26,6 +26,8 @@ namespace {
 
 constexpr int64_t CHUNK = 64;  // inputs per chunk of codes
 constexpr int64_t ROW_GRAIN = 16;
+// x rows per pass over the weights in the few-rows path (speculative verification runs 2-8)
+constexpr int64_t ROWS_PER_PASS = 8;
 constexpr int64_t PREFETCH_BYTES = 8192;  // as quant_kernels.cpp: a call is too short for the hardware prefetchers
 constexpr int64_t PANEL = 32;             // AMX: weight rows dequantized at once (two A tiles)
 
@@ -180,11 +182,23 @@ void tile(const uint8_t* w, const Ctx& ctx, int64_t n, int64_t m0, float* scratc
     for (int m = 0; m < MT; ++m) acc[r][m] = acc1[r][m] = _mm512_setzero_ps();
   const __m512i bias = _mm512_set1_epi16(0x4300);  // bf16 128.0: | u makes 128 + u
   for (int64_t c = 0; c < K / CHUNK; ++c) {
-    __m512i x0[MT], x1[MT];
-    for (int m = 0; m < MT; ++m) {
-      x0[m] = _mm512_loadu_si512(xb + m * K + CHUNK * c);
-      x1[m] = _mm512_loadu_si512(xb + m * K + CHUNK * c + 32);
+    // With one weight row per tile (MT >= 3) each x chunk is used once: loaded where it is
+    // used, so that 8 rows' accumulators fit the 32 registers; with R rows, loaded once.
+    __m512i x0[R == 1 ? 1 : MT], x1[R == 1 ? 1 : MT];
+    if constexpr (R > 1) {
+      for (int m = 0; m < MT; ++m) {
+        x0[m] = _mm512_loadu_si512(xb + m * K + CHUNK * c);
+        x1[m] = _mm512_loadu_si512(xb + m * K + CHUNK * c + 32);
+      }
     }
+    auto x_lo = [&](int m) {
+      if constexpr (R == 1) return _mm512_loadu_si512(xb + m * K + CHUNK * c);
+      else return x0[m];
+    };
+    auto x_hi = [&](int m) {
+      if constexpr (R == 1) return _mm512_loadu_si512(xb + m * K + CHUNK * c + 32);
+      else return x1[m];
+    };
     for (int r = 0; r < R; ++r) {
       __m512i h0, h1;
       decode_chunk<BITS>(w + r * stride + cb * c, h0, h1);
@@ -197,18 +211,19 @@ void tile(const uint8_t* w, const Ctx& ctx, int64_t n, int64_t m0, float* scratc
         const __m512i hi0 = _mm512_or_si512(_mm512_srli_epi16(h0, 4), _mm512_set1_epi16(0x4500));
         const __m512i hi1 = _mm512_or_si512(_mm512_srli_epi16(h1, 4), _mm512_set1_epi16(0x4500));
         for (int m = 0; m < MT; ++m) {
-          const __m512 t0 = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)lo0, (__m512bh)x0[m]),
-                                             (__m512bh)hi0, (__m512bh)x0[m]);
-          const __m512 t1 = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)lo1, (__m512bh)x1[m]),
-                                             (__m512bh)hi1, (__m512bh)x1[m]);
+          const __m512i xa = x_lo(m), xb1 = x_hi(m);
+          const __m512 t0 = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)lo0, (__m512bh)xa),
+                                             (__m512bh)hi0, (__m512bh)xa);
+          const __m512 t1 = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)lo1, (__m512bh)xb1),
+                                             (__m512bh)hi1, (__m512bh)xb1);
           acc[r][m] = _mm512_fmadd_ps(t0, s0, acc[r][m]);
           acc1[r][m] = _mm512_fmadd_ps(t1, s1, acc1[r][m]);
         }
       } else {
         const __m512i c0 = _mm512_or_si512(h0, bias), c1 = _mm512_or_si512(h1, bias);
         for (int m = 0; m < MT; ++m) {
-          acc[r][m] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)c0, (__m512bh)x0[m]), s0, acc[r][m]);
-          acc1[r][m] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)c1, (__m512bh)x1[m]), s1, acc1[r][m]);
+          acc[r][m] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)c0, (__m512bh)x_lo(m)), s0, acc[r][m]);
+          acc1[r][m] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)c1, (__m512bh)x_hi(m)), s1, acc1[r][m]);
         }
       }
     }
@@ -316,8 +331,12 @@ template <int BITS, int G>
 void gemm_rows(const Ctx& ctx, const uint8_t* w, int64_t M) {
   at::parallel_for(0, ctx.N, ROW_GRAIN, [&](int64_t n0, int64_t n1) {
     std::vector<float> scratch(8 * (ctx.K / G));  // per tile row: its scales and offsets
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      switch (std::min<int64_t>(4, M - m0)) {
+    for (int64_t m0 = 0; m0 < M; m0 += ROWS_PER_PASS) {  // each pass reads the weights once
+      switch (std::min<int64_t>(ROWS_PER_PASS, M - m0)) {
+        case 8: rows_range<BITS, G, 8>(w, ctx, m0, n0, n1, scratch.data()); break;
+        case 7: rows_range<BITS, G, 7>(w, ctx, m0, n0, n1, scratch.data()); break;
+        case 6: rows_range<BITS, G, 6>(w, ctx, m0, n0, n1, scratch.data()); break;
+        case 5: rows_range<BITS, G, 5>(w, ctx, m0, n0, n1, scratch.data()); break;
         case 4: rows_range<BITS, G, 4>(w, ctx, m0, n0, n1, scratch.data()); break;
         case 3: rows_range<BITS, G, 3>(w, ctx, m0, n0, n1, scratch.data()); break;
         case 2: rows_range<BITS, G, 2>(w, ctx, m0, n0, n1, scratch.data()); break;

@@ -123,8 +123,7 @@ class EngineCore:
         if self.runner.sampler is not None:
             self.runner.sampler.grammar_code = self.plugin_code[-1]
         self.speculator = self._speculator(config, registry, *speculative) if speculative else None
-        if self.speculator is not None:
-            self.scheduler.spec_stats = self.speculator.stats
+        self.scheduler.speculator = self.speculator
         self.dead: str | None = None  # set when a fatal failure stopped the engine
         # Constrained requests whose matcher is being built: outside the scheduler until ready.
         self.compiling: dict[str, tuple[Request, Future]] = {}
@@ -159,7 +158,8 @@ class EngineCore:
                     f", off above {settings.disable_by_batch_size} decoding requests"
                     if settings.disable_by_batch_size else "")
         return Speculator(proposer, code, spec.name, settings.num_speculative_tokens, self.model_config.vocab_size,
-                          self.model_config.max_model_len, settings.disable_by_batch_size)
+                          self.model_config.max_model_len, settings.disable_by_batch_size,
+                          settings.min_acceptance_rate)
 
     def _plugin_code(self, registry) -> list[PluginCode]:
         """The selected plugins' code, to name them in failures: policy first, grammar last."""

@@ -61,6 +61,9 @@ class Request:
     # Speculative decoding: the drafts the proposer made for the next step (the scheduler takes
     # them, paged.core.engine.spec_decode); never part of all_token_ids.
     spec_token_ids: list[int] = field(default_factory=list)
+    spec_window_drafted: int = 0  # draft tokens verified (and accepted) since the last acceptance check
+    spec_window_accepted: int = 0
+    spec_paused_until: int = 0  # the speculator's step from which it is asked again
     # Set by the policy at admission; compared with < (lower runs first, higher is preempted).
     sort_key: tuple = ()
     # Policy inputs the scheduler maintains (read through RequestView).

@@ -150,7 +150,7 @@ class Scheduler:
         self.running: list[Request] = []  # in policy order (sorted by sort_key)
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
-        self.spec_stats = None  # speculative decoding's counters (SpecDecodeStats), set by the engine core
+        self.speculator = None  # speculative decoding (spec_decode.Speculator), set by the engine core
 
     # --- requests in and out -----------------------------------------------------------
     def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -530,8 +530,8 @@ class Scheduler:
         num_drafts = len(scheduled.spec_token_ids)
         num_accepted = len(tokens) - 1
         request.num_computed_tokens -= num_drafts - num_accepted
-        if self.spec_stats is not None:
-            self.spec_stats.record(num_drafts, num_accepted)
+        if self.speculator is not None:
+            self.speculator.record(request, num_drafts, num_accepted)
         if request.first_token_time is None:
             request.first_token_time = now
         appended = 0

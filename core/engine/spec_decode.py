@@ -71,11 +71,25 @@ class SpecDecodeStats:
                 "accepted_per_position": list(self.accepted_per_position)}
 
 
+# A request's acceptance is judged over this many of its draft tokens; below the minimum rate it
+# is not asked for PAUSE_STEPS steps (then it is tried again).
+ACCEPTANCE_WINDOW = 16
+PAUSE_STEPS = 32
+
+
 class Speculator:
-    """Asks the proposer for drafts once per step and keeps them within what may run."""
+    """Asks the proposer for drafts once per step and keeps them within what may run.
+
+    Adaptive, per request: a request whose last ``ACCEPTANCE_WINDOW`` draft tokens were accepted
+    at a rate below ``min_acceptance_rate`` is not asked for the next ``PAUSE_STEPS`` steps
+    (each verified draft costs about 0.3 of a one-token step on the CPU, so a draft accepted less
+    than ~30% of the time loses; ``benchmarks/speculative.py``). For the whole batch: no
+    speculation in a step where more than ``disable_by_batch_size`` requests decode.
+    """
 
     def __init__(self, proposer, code: PluginCode, method: str, num_speculative_tokens: int, vocab_size: int,
-                 max_model_len: int, disable_by_batch_size: int | None = None) -> None:
+                 max_model_len: int, disable_by_batch_size: int | None = None,
+                 min_acceptance_rate: float = 0.0) -> None:
         self.proposer = proposer
         self.code = code
         self.method = method
@@ -83,17 +97,33 @@ class Speculator:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.disable_by_batch_size = disable_by_batch_size
+        self.min_acceptance_rate = min_acceptance_rate
         self.stats = SpecDecodeStats()
+        self.num_steps = 0
         self._warned_bad_draft = False
+
+    def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """One verification of ``request`` (the scheduler calls it): the global counters, and the
+        request's window for the adaptive pause."""
+        self.stats.record(num_drafts, num_accepted)
+        request.spec_window_drafted += num_drafts
+        request.spec_window_accepted += num_accepted
+        if request.spec_window_drafted >= ACCEPTANCE_WINDOW:
+            if request.spec_window_accepted < self.min_acceptance_rate * request.spec_window_drafted:
+                request.spec_paused_until = self.num_steps + PAUSE_STEPS
+            request.spec_window_drafted = request.spec_window_accepted = 0
 
     def propose(self, running: list[Request]) -> None:
         """Set ``spec_token_ids`` of the running requests that decode next (one proposer call)."""
+        self.num_steps += 1
         k = self.num_speculative_tokens
         asked: list[Request] = []
         limits: list[int] = []
         for request in running:
             if request.grammar is not None or request.num_computed_tokens != request.num_tokens - 1:
                 continue  # constrained, or still in prefill
+            if request.spec_paused_until > self.num_steps:
+                continue  # its drafts were rejected too often lately
             limit = min(k, request.max_tokens - request.num_output_tokens - 1,
                         self.max_model_len - request.num_tokens - 1)
             if limit > 0:

@@ -8,6 +8,7 @@ a request's last block shows up as a non-finite output. Block ids are handed out
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import shutil
@@ -220,3 +221,65 @@ def test_build_failure_warns_once_and_falls_back(monkeypatch, caplog, tmp_path):
         cpu_paged_decode.load.cache_clear()
     _, expected = backend_step(False)
     torch.testing.assert_close(out, expected, atol=0, rtol=0)  # the gather path, bit for bit
+
+
+def brute_force_banded(q_row, k, v, n: int, window: int, cap: float, head_dim: int, group: int):
+    """float64 attention of one query row over positions max(0, n - window) .. n - 1 of k/v
+    ([positions, Hkv, D]), soft-capped when ``cap``."""
+    lo = max(0, n - window) if window else 0
+    out = torch.empty(q_row.shape, dtype=torch.float64)
+    for h in range(q_row.shape[0]):
+        scores = k[lo:n, h // group] @ q_row[h].double() * head_dim**-0.5
+        if cap:
+            scores = cap * torch.tanh(scores / cap)
+        out[h] = torch.softmax(scores, dim=0) @ v[lo:n, h // group]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,cap", [(0, 0.0), (70, 0.0), (0, 5.0), (9, 3.0)])
+@pytest.mark.parametrize("contexts", [[200], [1, 64, 130, 7], [40] * 9])
+def test_grouped_rows_match_brute_force(kernel, dtype, window, cap, contexts):
+    """``paged_decode_grouped``: each request has a group of 1-6 query rows, the tokens after its
+    context (row t attends over positions < context + t + 1: causal within the group), windows and
+    soft-caps applied per row; one request (split-KV over the threads), a few, and nine (whole
+    requests as work items). The float64 reference attends row by row."""
+    kernels = cpu_paged_decode.kernels()
+    if kernels is None:
+        pytest.skip("no kernel")
+    rng = random.Random(len(contexts) * 7 + window)
+    sizes = [rng.randint(1, 6) for _ in contexts]
+    totals = [c + s for c, s in zip(contexts, sizes)]
+    num_kv_heads, group, head_dim, block_size = 2, 3, 64, 16
+    _, k_cache, v_cache, table, _ = make_case(totals, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
+                                              block_size=block_size, dtype=dtype, seed=len(contexts))
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(sum(sizes), num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    lens = torch.tensor([c + t + 1 for c, s in zip(contexts, sizes) for t in range(s)], dtype=torch.int32)
+    groups = torch.tensor([0] + list(itertools.accumulate(sizes)), dtype=torch.int32)
+    out = torch.empty_like(q)
+    kernels.paged_decode_grouped(q, k_cache, v_cache, table, lens, groups, head_dim**-0.5, out, window, cap)
+    atol, rtol = TOLERANCE[dtype]
+    row = 0
+    for b, (total, size) in enumerate(zip(totals, sizes)):
+        k = torch.stack([k_cache[table[b, p // block_size], p % block_size] for p in range(total)]).double()
+        v = torch.stack([v_cache[table[b, p // block_size], p % block_size] for p in range(total)]).double()
+        for t in range(size):
+            want = brute_force_banded(q[row], k, v, int(lens[row]), window, cap, head_dim, group)
+            torch.testing.assert_close(out[row].double(), want, atol=atol * (3 if cap else 1), rtol=rtol)
+            row += 1
+
+
+def test_grouped_rows_reject_what_is_not_a_group(kernel):
+    kernels = cpu_paged_decode.kernels()
+    if kernels is None:
+        pytest.skip("no kernel")
+    q, k_cache, v_cache, table, _ = make_case([8, 8], num_kv_heads=1, group=1, head_dim=8, block_size=4,
+                                              dtype=torch.float32)
+    out = torch.empty_like(q)
+    with pytest.raises(RuntimeError, match="must rise by one"):
+        kernels.paged_decode_grouped(q, k_cache, v_cache, table, torch.tensor([5, 5], dtype=torch.int32),
+                                     torch.tensor([0, 2], dtype=torch.int32), 1.0, out)
+    with pytest.raises(RuntimeError, match="from 0 to the number of rows"):
+        kernels.paged_decode_grouped(q, k_cache, v_cache, table, torch.tensor([5, 6], dtype=torch.int32),
+                                     torch.tensor([0, 1], dtype=torch.int32), 1.0, out)
