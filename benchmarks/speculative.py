@@ -98,6 +98,27 @@ def llamacpp_decode(gguf: str, prompt: str, tokens: int, threads: int, k: int) -
     return float(speed[-1]), float(accept[-1]) / 100 if accept and k else None
 
 
+def print_batch1(args, modes: list[str], speeds: dict, accept: dict, llama_accept: dict) -> None:
+    print(f"\nbatch 1, decode tok/s (median of {args.rounds} alternated rounds), {args.max_tokens} new tokens, "
+          f"k = {args.k}, {args.threads} threads; ratios > 1: ngram faster")
+    tools = [m for m in modes if m.startswith("llama")]
+    print(f"{'prompt':<24}" + "".join(f"{m:>14}" for m in modes) + f"{'ngram/plain':>13}"
+          + (f"{'ngram/llama':>13}{'ngram/lookup':>14}" if tools else ""))
+    for workload, prompts in WORKLOADS.items():
+        for name in prompts:
+            med = {m: statistics.median(speeds[(name, m)]) for m in modes}
+            row = f"{name:<24}" + "".join(f"{med[m]:>14.1f}" for m in modes) + f"{med['ngram'] / med['plain']:>12.2f}x"
+            if tools:
+                row += f"{med['ngram'] / med['llama-plain']:>12.2f}x{med['ngram'] / med['llama-lookup']:>13.2f}x"
+            print(row)
+        d = accept.get(workload, [])
+        drafts, drafted, accepted = (sum(x[i] for x in d) for i in range(3))
+        print(f"  {workload}: paged ngram acceptance {accepted / max(drafted, 1):.1%}, mean accepted length "
+              f"{1 + accepted / max(drafts, 1):.2f}" + (f"; llama-lookup acceptance "
+              f"{statistics.mean(llama_accept[workload]):.1%}" if llama_accept.get(workload) else ""))
+
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens (and llama-lookup's draft size)")
@@ -107,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--no-llamacpp", action="store_true")
+    parser.add_argument("--only-batches", action="store_true", help="skip the batch-1 table")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
     args = parser.parse_args(argv)
     if args.quick:
@@ -129,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     speeds: dict[tuple[str, str], list[float]] = {}
     accept: dict[str, list[tuple[int, int, int]]] = {}
     llama_accept: dict[str, list[float]] = {}
-    for _ in range(args.rounds):
+    for _ in range(0 if args.only_batches else args.rounds):
         for workload, prompts in WORKLOADS.items():
             for name, prompt in prompts.items():
                 for mode, llm in engines.items():
@@ -149,28 +171,14 @@ def main(argv: list[str] | None = None) -> None:
                     if rate is not None:
                         llama_accept.setdefault(workload, []).append(rate)
 
-    print(f"\nbatch 1, decode tok/s (median of {args.rounds} alternated rounds), {args.max_tokens} new tokens, "
-          f"k = {args.k}, {args.threads} threads; ratios > 1: ngram faster")
-    modes = list(engines) + tools
-    print(f"{'prompt':<24}" + "".join(f"{m:>14}" for m in modes) + f"{'ngram/plain':>13}"
-          + (f"{'ngram/llama':>13}{'ngram/lookup':>14}" if tools else ""))
-    for workload, prompts in WORKLOADS.items():
-        for name in prompts:
-            med = {m: statistics.median(speeds[(name, m)]) for m in modes}
-            row = f"{name:<24}" + "".join(f"{med[m]:>14.1f}" for m in modes) + f"{med['ngram'] / med['plain']:>12.2f}x"
-            if tools:
-                row += f"{med['ngram'] / med['llama-plain']:>12.2f}x{med['ngram'] / med['llama-lookup']:>13.2f}x"
-            print(row)
-        d = accept.get(workload, [])
-        drafts, drafted, accepted = (sum(x[i] for x in d) for i in range(3))
-        print(f"  {workload}: paged ngram acceptance {accepted / max(drafted, 1):.1%}, mean accepted length "
-              f"{1 + accepted / max(drafts, 1):.2f}" + (f"; llama-lookup acceptance "
-              f"{statistics.mean(llama_accept[workload]):.1%}" if llama_accept.get(workload) else ""))
+    if not args.only_batches:
+        print_batch1(args, list(engines) + tools, speeds, accept, llama_accept)
 
     all_prompts = [p for prompts in WORKLOADS.values() for p in prompts.values()]
     batch_params = SamplingParams(temperature=0, max_tokens=args.batch_tokens, ignore_eos=True)
     print(f"\nbatches: the 6 prompts cycled to B requests, {args.batch_tokens} new tokens each, all at once; "
-          f"total s (median of {args.rounds})")
+          f"total s (median of {args.rounds}); speculation off in steps of more than speculative.disable_by_batch_size "
+          f"({engines['ngram'].config.speculative.disable_by_batch_size}) decoding requests")
     print(f"{'B':>4}{'plain':>10}{'ngram':>10}{'plain/ngram':>13}")
     for b in [int(x) for x in args.batches.split(",") if x]:
         prompts = [all_prompts[i % len(all_prompts)] for i in range(b)]

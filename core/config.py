@@ -139,8 +139,8 @@ class SpeculativeConfig(_Section):
     )
     num_speculative_tokens: int = Field(4, ge=1, le=64, description="most draft tokens verified per request and step")
     disable_by_batch_size: int | None = Field(
-        None, ge=1, description="no speculation in a step where more requests than this decode (verification "
-        "stops being free in large batches); unset = always",
+        8, ge=1, description="no speculation in a step where more requests than this decode (on the 2-core CPU "
+        "speculation gained up to B = 8 and lost from B = 16: benchmarks/speculative.py); unset = at any batch size",
     )
     min_acceptance_rate: float = Field(
         0.3, ge=0, le=1, description="a request whose last 16 draft tokens were accepted less often than this is "

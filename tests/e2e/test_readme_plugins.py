@@ -29,7 +29,7 @@ def site(tmp_path_factory):
     """The section's python blocks as the module of a package with the section's entry point."""
     section = _section()
     blocks = re.findall(r"^```python\n(.*?)^```", section, flags=re.S | re.M)
-    assert len(blocks) == 5, "one example per hook kind"
+    assert len(blocks) == 6, "one example per hook kind"
     entry = re.search(r"^```toml\n(.*?)^```", section, flags=re.S | re.M).group(1)
     name = re.search(r'^(\w+) = "(\w+)"', entry, flags=re.M)
     src = tmp_path_factory.mktemp("build") / "readme-plugin"
@@ -77,13 +77,15 @@ def test_the_readme_plugin_registers_every_hook_kind(site):
     assert mine["status"] == "ok", mine
     assert mine["provides"] == {"policies": ["shortest-first"], "attention_backends": ["brute-force"],
                                 "models": ["ScaledLlamaForCausalLM"], "quantization_methods": ["int8-rows"],
-                                "structured_output_backends": ["choices"]}
+                                "structured_output_backends": ["choices"],
+                                "speculative_proposers": ["last-token-lookup"]}
 
 
 @pytest.mark.parametrize("model, flags", [
     ("llama", ["--policy", "shortest-first", "--policy-option", "tokens_per_s=2"]),
     ("llama", ["--attention", "brute-force", "--block-size", "4", "--max-num-batched-tokens", "4"]),
     ("scaled", []),
+    ("llama", ["--speculative-config", '{"method": "last-token-lookup", "num_speculative_tokens": 3}']),
 ])
 def test_the_readme_policy_backend_and_model_give_hf_greedy_tokens(site, tiny, model, flags):
     root, expected = tiny
@@ -113,3 +115,15 @@ def test_the_readme_structured_output_backend_constrains_to_the_choices(site, de
     bad = _paged(site[0], "run", "-q", "--structured-output-backend", "choices", "--regex", "[0-9]+", "--max-tokens",
                  "4", "hi")
     assert bad.returncode != 0 and "the 'choices' backend serves choice only" in bad.stderr
+
+
+def test_the_readme_proposer_drafts_and_its_drafts_are_verified(site, tiny):
+    """On a prompt that repeats itself the example's drafts are accepted at times (and greedy
+    tokens stay HF's: the parametrized test above)."""
+    root, _ = tiny
+    proc = _paged(site[0], "run", "-q", "--json", "--model", str(root / "llama"), "--dtype", "float32",
+                  "--speculative-config", '{"method": "last-token-lookup", "num_speculative_tokens": 3}',
+                  "--max-tokens", "24", "--ignore-eos", "a b c a b c a b c a b c a b c a b")
+    assert proc.returncode == 0, proc.stderr
+    spec = json.loads(proc.stdout)["summary"]["speculative"]
+    assert spec["method"] == "last-token-lookup" and spec["num_draft_tokens"] > 0, spec

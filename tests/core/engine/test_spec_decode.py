@@ -235,3 +235,15 @@ def test_the_config_as_vllm_takes_it_and_its_errors(tmp_path):
         LLM(speculative_config={"method": "ngram", "prompt_lookup_mx": 3})
     with pytest.raises(ConfigError, match=r"prompt_lookup_min \(5\) must be <= prompt_lookup_max \(2\)"):
         LLM(speculative_config={"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2})
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_ranks_verify_as_one(plain_outputs):
+    """TP = 2 (gloo): rank 0 schedules, samples and verifies; every rank runs the 1 + k token
+    verification forwards. The greedy tokens of 8 prompts are those of plain decoding."""
+    prompts = _prompts(8)
+    with LLM(speculative_config=NGRAM, tensor_parallel_size=2, **SMALL) as llm:
+        outputs = _greedy(llm, prompts)
+        accepted = llm.engine.core.speculator.stats.num_accepted_tokens
+    assert [o.outputs[0].token_ids for o in outputs] == [o.token_ids for o in plain_outputs["greedy"][:8]]
+    assert accepted > 0
