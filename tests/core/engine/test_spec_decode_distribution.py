@@ -105,7 +105,8 @@ def test_sampled_outputs_follow_the_models_distribution(tiny, monkeypatch):
     assert max(expected.values()) < 0.2 and sum(p * NUM_SAMPLES >= 5 for p in expected.values()) > 30  # spread
     params = [SamplingParams(temperature=TEMPERATURE, max_tokens=NEW_TOKENS, ignore_eos=True, seed=i,
                              allowed_token_ids=ALLOWED) for i in range(NUM_SAMPLES)]
-    spec = {"method": "uniform-guess", "num_speculative_tokens": 3}
+    spec = {"method": "uniform-guess", "num_speculative_tokens": 3, "disable_by_batch_size": None,
+            "min_acceptance_rate": 0.0}
     with LLM(str(path), dtype="float32", attention="torch", speculative_config=spec, max_num_seqs=256,
              enable_prefix_caching=True) as llm:
         outputs = llm.generate([prompt] * NUM_SAMPLES, params, use_tqdm=False)
@@ -119,7 +120,7 @@ def test_sampled_outputs_follow_the_models_distribution(tiny, monkeypatch):
     assert dof > 30 and stat < chi2_critical(dof), (stat, dof)
     # drafts were accepted and rejected at each position: the test exercised both branches
     assert 0.1 < stats.acceptance_rate < 0.6 and stats.accepted_per_position[1] > 100
-    assert len(stats.accepted_per_position) == 2  # (the last step may only verify what max_tokens leaves)
+    assert len(stats.accepted_per_position) >= 2
     # what "accept every draft" would have produced instead: the first token as sampled, then the
     # proposer's uniform guesses (among the allowed ones) -- the test must be able to tell
     rng = random.Random(2)
