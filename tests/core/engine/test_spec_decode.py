@@ -190,7 +190,7 @@ def test_random_accept_and_reject_with_preemption_prefix_caching_and_n(scripted,
     recompute), prefix caching, n = 2, stop strings: the same tokens as plain decoding; no block
     leaks; the prefix cache never holds a block of rejected drafts (a repeated prompt, served
     from it, gives the same tokens)."""
-    prompts = _prompts(10)
+    prompts = _prompts(8)
     tokenizer = plain_llm.tokenizer
     scripted.script = {tuple(tokenizer(p)["input_ids"]): out.token_ids for p, out in zip(prompts, plain_outputs["greedy"])}
     stop_plain = _greedy(plain_llm, prompts[:4], stop=[" the", "b"])

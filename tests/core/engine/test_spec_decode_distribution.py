@@ -1,7 +1,7 @@
 """Sampled outputs with speculative decoding follow the model's own distribution.
 
 A tiny random Llama (the default model's tokenizer) samples 4 tokens at temperature 0.8 among 3
-allowed tokens, 4000 times (one seed each), while a proposer guesses 3 tokens a step uniformly
+allowed tokens, 3000 times (one seed each), while a proposer guesses 3 tokens a step uniformly
 among those 3 and one forbidden token (so drafts are accepted, rejected and resampled at every
 position). The reference is independent of paged: the exact probability of each of the 81
 four-token outputs, from HF transformers' logits on the same weights (restricted to the allowed
@@ -28,7 +28,7 @@ from paged.core.hookspecs import SpeculativeProposerSpec, hookimpl
 ALLOWED = [1000, 2000, 3000]
 FORBIDDEN = 5000
 TEMPERATURE = 0.8
-NUM_SAMPLES = 4000
+NUM_SAMPLES = 3000
 NEW_TOKENS = 4
 
 
