@@ -11,7 +11,10 @@ by every layer); each layer's ``forward`` then
 
    - decodes (query length 1, the first ``num_decodes`` requests) on the CPU: one call of the
      fused C++ kernel of ``cpu_paged_decode`` (online softmax straight over the block table, no
-     gather; option ``cpu_decode_kernel``, default on). It is built (or loaded from the build
+     gather; option ``cpu_decode_kernel``, default on), together with the queries of at most
+     ``SHORT_QUERY`` tokens that follow them (speculative verifications, short chunks: the runner
+     orders requests by query length), one row per token in a group per request, each K/V tile
+     read once for the group (``paged_decode_grouped``). It is built (or loaded from the build
      cache) when the first CPU backend of the process is constructed, so that a first build's
      seconds fall in start-up and not in a step; if it cannot be built (no compiler, no ninja)
      the backend warns once and takes the path below;
