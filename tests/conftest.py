@@ -50,32 +50,46 @@ def hf_greedy(default_model_dir):
 # one unit each. Units start slowest first (the order of SLOWEST_FIRST, then the rest) so that
 # the workers finish together; with --no-loadscope-reorder xdist keeps this order.
 SPREAD = {"tests/e2e/test_readme.py::test_readme_bash_block_runs"}
-SLOWEST_FIRST = [  # measured: `pytest --durations=0`, summed per unit
-    "tests/e2e/test_readme.py::test_readme_bash_block_runs",
-    "tests/e2e/test_readme.py",
-    "tests/core/server/test_server.py",
-    "tests/e2e/test_plugin_contracts.py",
-    "tests/core/server/test_structured.py",
-    "tests/core/engine/test_spec_decode.py",
-    "tests/core/engine/test_tensor_parallel.py",
-    "tests/models/test_qwen3_mistral_phi3.py",
-    "tests/e2e/test_moe_engine.py",
-    "tests/core/frontend/test_llm.py",
-    "tests/core/server/test_bad_input.py",
-    "tests/core/server/test_supervision.py",
-    "tests/e2e/test_policy_server.py",
-    "tests/core/server/test_server_dp.py",
-    "tests/e2e/test_engine_parity.py",
-    "tests/models/test_gemma.py",
-    "tests/core/server/test_spec_decode_server.py",
-    "tests/e2e/test_gpt2_plugin.py",
-    "tests/core/engine/test_compiled_step.py",
-    "tests/backends/test_triton_attention.py",
-    "tests/core/loading/test_gguf.py",
-    "tests/core/frontend/test_tools.py",
-    "tests/e2e/test_readme_plugins.py",
-    "tests/core/lab/test_lab.py",
-    "tests/e2e/test_bfloat16.py",
+SLOWEST_FIRST = [  # seconds a unit took on its worker (`pytest -v`, both workers busy; rough: runs vary 2x)
+    "tests/e2e/test_engine_parity.py",  # 100 (its HF reference included)
+    "tests/core/engine/test_tensor_parallel.py",  # 100
+    "tests/models/test_qwen3_mistral_phi3.py",  # 85
+    "tests/e2e/test_moe_engine.py",  # 70
+    "tests/e2e/test_readme.py::test_readme_bash_block_runs[paged-8]",  # 37, the lab block
+    "tests/e2e/test_readme.py",  # 65: the Python blocks and the inline commands
+    "tests/core/server/test_server.py",  # 65
+    "tests/core/engine/test_pooling.py",  # 65 (alone: 88 with another worker's suite running)
+    "tests/core/engine/test_spec_decode.py",  # 60
+    "tests/core/server/test_server_dp.py",  # 60
+    "tests/core/server/test_bad_input.py",  # 57
+    "tests/core/server/test_structured.py",  # 45
+    "tests/core/server/test_embeddings_server.py",  # 45
+    "tests/core/server/test_prompt_logprobs_server.py",  # 35
+    "tests/e2e/test_plugin_contracts.py",  # 40
+    "tests/core/test_structured_output.py",  # 40
+    "tests/core/engine/test_kv_cache_stateful.py",  # 38
+    "tests/e2e/test_readme_plugins.py",  # 37
+    "tests/core/server/test_supervision.py",  # 26
+    "tests/models/test_gemma.py",  # 26
+    "tests/e2e/test_readme.py::test_readme_bash_block_runs",  # 8-21 each, the other bash blocks
+    "tests/core/loading/test_gguf.py",  # 20
+    "tests/core/frontend/test_llm.py",  # 20
+    "tests/plugins/test_quantization.py",  # 18
+    "tests/e2e/test_gpt2_plugin.py",  # 17
+    "tests/core/engine/test_prompt_logprobs.py",  # 17
+    "tests/core/server/test_spec_decode_server.py",  # 16
+    "tests/core/test_registry.py",  # 15
+    "tests/core/engine/test_compiled_step.py",  # 15
+    "tests/backends/test_triton_attention.py",  # 14
+    "tests/core/lab/test_lab.py",  # 14
+    "tests/e2e/test_policy_server.py",  # 14
+    "tests/core/server/test_reasoning.py",  # 13
+    "tests/core/engine/test_spec_decode_distribution.py",  # 12
+    "tests/core/frontend/test_tools.py",  # 11
+    "tests/e2e/test_gguf_quantized.py",  # 11
+    "tests/test_suite_setup.py",  # 10
+    "tests/models/test_cpu_kernels.py",  # 9
+    "tests/core/loading/test_config_snapshot.py",  # 9
 ]
 
 
@@ -85,10 +99,10 @@ def _unit(nodeid: str) -> str:
 
 
 def _rank(nodeid: str) -> int:
-    for i, prefix in enumerate(SLOWEST_FIRST):
-        if nodeid.startswith(prefix):
-            return i
-    return len(SLOWEST_FIRST)
+    """The place in SLOWEST_FIRST of the longest entry the node id starts with (a bash block's
+    own entry before its function's, that before its file's)."""
+    matches = [(len(prefix), i) for i, prefix in enumerate(SLOWEST_FIRST) if nodeid.startswith(prefix)]
+    return max(matches)[1] if matches else len(SLOWEST_FIRST)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
@@ -96,6 +110,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(pytest.mark.xdist_group(_unit(item.nodeid)))
     items.sort(key=lambda item: _rank(item.nodeid))  # stable: a file keeps its own order
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup, its units made by _unit from the node id. xdist (3.8) groups tests by an
+    ``@group`` suffix it writes into ``item._nodeid``, which pytest 9 no longer reads (a node id
+    is ``item._id``): without this every test was a unit of its own, and both workers built the
+    module fixtures of most files (two `paged serve`s, two HF references, ...)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class UnitScheduling(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.rfind("@") > nodeid.rfind("]"):  # xdist's suffix, where it works
+                return super()._split_scope(nodeid)
+            return _unit(nodeid)
+
+    return UnitScheduling(config, log)
 
 
 def pytest_configure(config):

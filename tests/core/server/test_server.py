@@ -212,26 +212,69 @@ def test_tokenize_and_detokenize_agree_with_the_tokenizer(server, model_name, de
 @pytest.mark.slow
 def test_responses_api_runs_as_the_equivalent_chat(server, client, model_name):
     """/v1/responses through the official client; the reference is /v1/chat/completions on the
-    messages the Responses request stands for (instructions first, then the stored conversation)."""
+    messages the Responses request stands for (instructions first, then the stored conversation).
+    The requests that do not build on another's answer run at once, in two rounds (the server
+    batches them: float32 greedy tokens do not depend on the batch, as the concurrent tests here
+    check against the offline engine)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     def chat(messages, **kw):
         return client.chat.completions.create(model=model_name, messages=messages, temperature=0, max_tokens=64,
                                               **kw).choices[0]
 
+    def stream(**kw):
+        with client.responses.stream(**kw) as events:
+            return list(events)
+
     system, q1, q2 = "Answer briefly.", QUESTIONS[0], "And of Germany?"
-    r1 = client.responses.create(model=model_name, input=q1, instructions=system, max_output_tokens=64, temperature=0)
-    c1 = chat([{"role": "system", "content": system}, {"role": "user", "content": q1}])
-    a1, status = c1.message.content, "incomplete" if c1.finish_reason == "length" else "completed"
-    assert r1.status == status and r1.output_text == a1 and a1 and r1.usage.output_tokens >= 1
-    assert [o.type for o in r1.output] == ["message"] and r1.output[0].content[0].type == "output_text"
-    r2 = client.responses.create(model=model_name, input=q2, previous_response_id=r1.id, max_output_tokens=64,
-                                 temperature=0)  # instructions are not carried over, as OpenAI does it
-    assert r2.output_text == chat([{"role": "user", "content": q1}, {"role": "assistant", "content": a1},
-                                   {"role": "user", "content": q2}]).message.content
+    tools = [{"type": "function", "name": "get_weather", "description": "The weather in a city",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    with ThreadPoolExecutor(6) as pool:
+        # First round: every request that needs no earlier answer.
+        f_r1 = pool.submit(client.responses.create, model=model_name, input=q1, instructions=system,
+                           max_output_tokens=64, temperature=0)
+        f_c1 = pool.submit(chat, [{"role": "system", "content": system}, {"role": "user", "content": q1}])
+        f_events = pool.submit(stream, model=model_name, input=q1, instructions=system, max_output_tokens=64,
+                               temperature=0)
+        f_r3 = pool.submit(client.responses.create, model=model_name, input="What is the weather in Paris?",
+                           tools=tools, tool_choice={"type": "function", "name": "get_weather"},
+                           max_output_tokens=40, temperature=0)
+        f_r5 = pool.submit(client.responses.create, model=model_name, input="Name a city as JSON.",
+                           max_output_tokens=40, temperature=0,
+                           text={"format": {"type": "json_schema", "name": "city", "schema": schema}})
+        f_r6 = pool.submit(client.responses.create, model=model_name, input=q1, store=False, max_output_tokens=2,
+                           temperature=0)
+        r1, c1 = f_r1.result(), f_c1.result()
+        a1, status = c1.message.content, "incomplete" if c1.finish_reason == "length" else "completed"
+        assert r1.status == status and r1.output_text == a1 and a1 and r1.usage.output_tokens >= 1
+        assert [o.type for o in r1.output] == ["message"] and r1.output[0].content[0].type == "output_text"
+        # A forced function call (answered by its output in the next round).
+        r3 = f_r3.result()
+        (call,) = r3.output
+        assert call.type == "function_call" and call.name == "get_weather" and set(json.loads(call.arguments)) == {"city"}
+        # Second round: the requests that continue r1 and r3, with their chat references.
+        f_r2 = pool.submit(client.responses.create, model=model_name, input=q2, previous_response_id=r1.id,
+                           max_output_tokens=64, temperature=0)  # instructions are not carried over, as OpenAI does it
+        f_c2 = pool.submit(chat, [{"role": "user", "content": q1}, {"role": "assistant", "content": a1},
+                                  {"role": "user", "content": q2}])
+        f_r4 = pool.submit(client.responses.create, model=model_name, previous_response_id=r3.id, tools=tools,
+                           max_output_tokens=16, temperature=0,
+                           input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}])
+        chat_tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in tools]
+        f_c4 = pool.submit(client.chat.completions.create, model=model_name, temperature=0, max_tokens=16,
+                           tools=chat_tools, messages=[
+                               {"role": "user", "content": "What is the weather in Paris?"},
+                               {"role": "assistant", "content": None, "tool_calls": [
+                                   {"id": call.call_id, "type": "function",
+                                    "function": {"name": call.name, "arguments": call.arguments}}]},
+                               {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C"}])
+        assert f_r2.result().output_text == f_c2.result().message.content
+        r4, c4 = f_r4.result(), f_c4.result().choices[0]
+        events, r5, r6 = f_events.result(), f_r5.result(), f_r6.result()
     assert client.responses.retrieve(r1.id).output_text == a1
     # Streamed: the official events in order, numbered, adding up to the same text.
-    with client.responses.stream(model=model_name, input=q1, instructions=system, max_output_tokens=64,
-                                 temperature=0) as stream:
-        events = list(stream)
     kinds = [e.type for e in events]
     assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
                          "response.content_part.added"]
@@ -240,34 +283,13 @@ def test_responses_api_runs_as_the_equivalent_chat(server, client, model_name):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == a1
     assert events[-1].response.output[0].content[0].text == a1 and events[-1].response.id == events[0].response.id
-    # A forced function call, answered by its output in the next turn.
-    tools = [{"type": "function", "name": "get_weather", "description": "The weather in a city",
-              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
-    r3 = client.responses.create(model=model_name, input="What is the weather in Paris?", tools=tools,
-                                 tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=40,
-                                 temperature=0)
-    (call,) = r3.output
-    assert call.type == "function_call" and call.name == "get_weather" and set(json.loads(call.arguments)) == {"city"}
-    r4 = client.responses.create(model=model_name, previous_response_id=r3.id, tools=tools, max_output_tokens=16,
-                                 temperature=0, input=[{"type": "function_call_output", "call_id": call.call_id,
-                                                        "output": "Sunny, 21 C"}])
-    chat_tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in tools]
-    c4 = client.chat.completions.create(model=model_name, temperature=0, max_tokens=16, tools=chat_tools, messages=[
-        {"role": "user", "content": "What is the weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
-        {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C"}]).choices[0]
+    # The function call's output answered in the next turn, as the chat reference answers it.
     assert r4.status == ("incomplete" if c4.finish_reason == "length" else "completed")
     assert r4.output_text == (c4.message.content or "")
     assert [o.name for o in r4.output if o.type == "function_call"] == [t.function.name for t in c4.message.tool_calls or []]
     # text.format: JSON that fits the schema.
-    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
-              "additionalProperties": False}
-    r5 = client.responses.create(model=model_name, input="Name a city as JSON.", max_output_tokens=40, temperature=0,
-                                 text={"format": {"type": "json_schema", "name": "city", "schema": schema}})
     assert set(json.loads(r5.output_text)) == {"city"}
     # store=false: not kept; max_output_tokens: incomplete.
-    r6 = client.responses.create(model=model_name, input=q1, store=False, max_output_tokens=2, temperature=0)
     assert r6.status == "incomplete" and r6.incomplete_details.reason == "max_output_tokens"
     assert server.get(f"/v1/responses/{r6.id}").status_code == 404
     client.responses.delete(r1.id)
