@@ -11,6 +11,10 @@ Per request, measured at the client: TTFT (send -> first token), inter-token lat
 between streamed chunks), TPOT ((latency - TTFT) / (output tokens - 1)) and end-to-end latency.
 Goodput = requests per second that meet every SLO given (``--slo-ttft-ms``, ``--slo-tpot-ms``).
 
+``--endpoint /v1/embeddings`` (a ``paged serve --runner pooling`` server) sends the same prompts
+as embedding requests instead, ``--batch-size`` inputs each (not streamed: a request's latency
+is its TTFT; no output tokens).
+
     paged serve --port 8000 &
     python benchmarks/serve.py --base-url http://127.0.0.1:8000 --num-prompts 64 --max-concurrency 8 \\
         --input-len 64 --output-len 64 [--slo-ttft-ms 2000 --slo-tpot-ms 200] [--json]
@@ -105,6 +109,25 @@ async def send_one(client, url: str, model: str, prompt: list[int], max_tokens: 
     return result
 
 
+async def send_embeddings(client, url: str, model: str, prompts: list[list[int]], headers: dict) -> Result:
+    body = {"model": model, "input": prompts, "encoding_format": "base64"}
+    result = Result(prompt_tokens=sum(len(p) for p in prompts))
+    start = time.perf_counter()
+    try:
+        response = await client.post(url, json=body, headers=headers)
+        result.latency = result.ttft = time.perf_counter() - start
+        if response.status_code != 200:
+            result.error = f"HTTP {response.status_code}: {response.text[:200]}"
+            return result
+        data = response.json()["data"]
+        result.ok = len(data) == len(prompts)
+        if not result.ok:
+            result.error = f"{len(data)} embeddings for {len(prompts)} inputs"
+    except Exception as e:  # noqa: BLE001 - counted as a failed request
+        result.error = f"{type(e).__name__}: {e}"
+    return result
+
+
 def _stats(values: list[float], scale: float = 1000.0) -> dict[str, float | None]:
     if not values:
         return {"mean": None, "median": None, "p99": None}
@@ -124,19 +147,29 @@ async def run(args: argparse.Namespace) -> dict:
             r = await client.get(f"{base}/v1/models", headers=headers)
             r.raise_for_status()
             model = r.json()["data"][0]["id"]
-        url = f"{base}/v1/completions"
+        url = f"{base}{args.endpoint}"
         workload = make_workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed)
+        embed = args.endpoint == "/v1/embeddings"
+        if embed:  # batch_size prompts per request
+            prompts = [p for p, _ in workload]
+            workload = [(prompts[i:i + args.batch_size], 0) for i in range(0, len(prompts), args.batch_size)]
+
+        def send(prompt, n):
+            if embed:
+                return send_embeddings(client, url, model, prompt, headers)
+            return send_one(client, url, model, prompt, n, headers)
+
         for prompt, n in workload[: args.warmup]:
-            await send_one(client, url, model, prompt[:8], 2, headers)
+            await send([prompt[0][:8]] if embed else prompt[:8], 2)
 
         rng = np.random.default_rng(args.seed + 1)
         semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
 
         async def limited(prompt, n):
             if semaphore is None:
-                return await send_one(client, url, model, prompt, n, headers)
+                return await send(prompt, n)
             async with semaphore:
-                return await send_one(client, url, model, prompt, n, headers)
+                return await send(prompt, n)
 
         start = time.perf_counter()
         tasks = []
@@ -154,6 +187,7 @@ async def run(args: argparse.Namespace) -> dict:
     tpots = [r.tpot for r in ok if r.tpot is not None]
     summary = {
         "model": model,
+        "endpoint": args.endpoint,
         "num_prompts": args.num_prompts,
         "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
         "max_concurrency": args.max_concurrency,
@@ -227,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--api-key", default=None)
     p.add_argument("--model", default=None, help="model name (default: the server's first /v1/models entry)")
+    p.add_argument("--endpoint", choices=["/v1/completions", "/v1/embeddings"], default="/v1/completions",
+                   help="/v1/embeddings: embedding requests to a --runner pooling server")
+    p.add_argument("--batch-size", type=int, default=1, help="with /v1/embeddings: inputs per request")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="Poisson arrivals per second; inf = all at once")

@@ -68,6 +68,10 @@ class ModelConfig(_Section):
         "and it costs 20-120 s of start-up (benchmarks/compiled_step.py)",
     )
     compile_max_tokens: int = Field(2, ge=1, description="with model.compile: steps of up to this many tokens run compiled")
+    runner: Literal["generate", "pooling"] = Field(
+        "generate", description="generate: completions and chat; pooling: embeddings, /score and /rerank (each prompt "
+        "becomes one vector: the pooling section)",
+    )
 
 
 class CacheConfig(_Section):
@@ -160,6 +164,61 @@ class SpeculativeConfig(_Section):
         if not extra:
             return data
         return {**{k: v for k, v in data.items() if k in own}, "options": {**data.get("options", {}), **extra}}
+
+
+class PoolingConfig(_Section):
+    """The pooling runner (``model.runner: pooling``, see ``paged.core.pooling``)."""
+
+    pooler: str = Field(
+        "auto", description="last, mean, cls, max or a plugin's (paged plugins lists them); auto = the checkpoint's "
+        "sentence-transformers pooling (modules.json), else last",
+    )
+    normalize: bool | None = Field(
+        None, description="L2-normalise embeddings (a request's normalize wins); unset = as the checkpoint's "
+        "sentence-transformers modules say, else true",
+    )
+    classifier_from_tokens: list[str] | None = Field(
+        None, description="score with the LM head: the logits of these tokens at the last position, e.g. "
+        "no,yes for Qwen3-Reranker; a score is the last token's softmax probability over them",
+    )
+    score_template: str = Field(
+        "{query}\n{document}", description="how /score and /rerank join a query and a document for a classifier "
+        "({query} and {document} are replaced)",
+    )
+    max_dimensions: int | None = Field(
+        None, ge=1, description="a request's dimensions (Matryoshka truncation) is accepted up to this; unset = the "
+        "checkpoint's config.json matryoshka_dimensions / is_matryoshka, else not accepted",
+    )
+    options: dict[str, Any] = Field(default_factory=dict, description="the pooler's typed options")
+
+    @field_validator("classifier_from_tokens", mode="before")
+    @classmethod
+    def _token_list(cls, value: Any) -> Any:
+        """A flag's or variable's text: a JSON list, or words separated by commas."""
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                try:
+                    return json.loads(text)
+                except ValueError:
+                    return value
+            return [w for w in text.split(",") if w]
+        return value
+
+    @field_validator("classifier_from_tokens")
+    @classmethod
+    def _not_empty(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and not value:
+            raise ValueError("must name at least one token")
+        return value
+
+    @field_validator("score_template")
+    @classmethod
+    def _has_placeholders(cls, value: str) -> str:
+        for name in ("{query}", "{document}"):
+            if name not in value:
+                raise ValueError(f"must contain {name}")
+        return value
 
 
 class ServerConfig(_Section):
@@ -261,6 +320,7 @@ class EngineConfig(BaseSettings):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     structured_output: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
+    pooling: PoolingConfig = Field(default_factory=PoolingConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
 
     @classmethod
@@ -289,6 +349,9 @@ def config_keys() -> list[str]:
 
 def _closest_key(key: str) -> str | None:
     candidates = config_keys()
+    exact_leaf = [c for c in candidates if "." in c and c.rpartition(".")[2] == key]
+    if exact_leaf:  # a field named without its section: "policy" -> "scheduler.policy"
+        return exact_leaf[0]
     close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
     if close:
         return close[0]
@@ -382,6 +445,8 @@ FLAG_ALIASES = {
     ("speculative", "method"): "speculative-method",
     ("speculative", "disable_by_batch_size"): "speculative-disable-by-batch-size",
     ("speculative", "min_acceptance_rate"): "speculative-min-acceptance-rate",
+    ("pooling", "normalize"): "pooling-normalize",
+    ("pooling", "max_dimensions"): "pooling-max-dimensions",
 }
 
 

@@ -17,7 +17,8 @@ The contracts the specs' factories meet: ``paged.core.policy`` (scheduling polic
 backends for structured outputs), ``paged.core.quantization`` (weight-only quantization
 methods; ``QuantizationMethodSpec`` is re-exported here), ``paged.core.model`` (model
 architectures; ``AttentionShape``, ``CausalLM`` and ``ModelClass`` are re-exported here) and
-``paged.core.speculative`` (speculative-decoding proposers).
+``paged.core.speculative`` (speculative-decoding proposers) and ``paged.core.pooling`` (poolers of
+the pooling runner: embeddings).
 
 What a plugin's code may raise while the engine serves, and what the engine then does (the
 request ends with an error, or the engine stops), is in ``paged.core.engine.plugin_faults``. A model plugin builds
@@ -39,7 +40,7 @@ from paged.core.quantization import QuantizationMethodSpec
 
 __all__ = [
     "AttentionBackendSpec", "AttentionShape", "CausalLM", "ModelClass", "ModelSpec", "PagedHookSpecs",
-    "PolicySpec", "QuantizationMethodSpec", "SpeculativeProposerSpec", "StructuredOutputBackendSpec", "hookimpl",
+    "PolicySpec", "PoolerSpec", "QuantizationMethodSpec", "SpeculativeProposerSpec", "StructuredOutputBackendSpec", "hookimpl",
     "hookspec",
 ]
 
@@ -128,6 +129,18 @@ class SpeculativeProposerSpec:
     description: str = ""
 
 
+@dataclass(frozen=True)
+class PoolerSpec:
+    """A pooler of the pooling runner (see paged.core.pooling), selected by ``pooling.pooler``:
+    ``factory(options, context) -> Pooler``, built once in the engine core; ``options`` validates
+    ``pooling.options``."""
+
+    name: str
+    factory: Callable[..., Any]
+    options: type[BaseModel] | None = None
+    description: str = ""
+
+
 class PagedHookSpecs:
     @hookspec
     def register_policies(self) -> list[PolicySpec]:
@@ -155,3 +168,8 @@ class PagedHookSpecs:
     def register_speculative_proposers(self) -> list[SpeculativeProposerSpec]:
         """Return the speculative-decoding proposers this plugin provides, selected by
         ``speculative.method`` (contract: ``paged.core.speculative``)."""
+
+    @hookspec
+    def register_poolers(self) -> list[PoolerSpec]:
+        """Return the poolers this plugin provides, selected by ``pooling.pooler`` (contract:
+        ``paged.core.pooling``)."""

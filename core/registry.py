@@ -34,6 +34,7 @@ from paged.core.hookspecs import (
     ModelSpec,
     PagedHookSpecs,
     PolicySpec,
+    PoolerSpec,
     SpeculativeProposerSpec,
     StructuredOutputBackendSpec,
 )
@@ -48,6 +49,7 @@ _KINDS = {
     "register_structured_output_backends": ("structured_output_backends", "name"),
     "register_quantization_methods": ("quantization_methods", "name"),
     "register_speculative_proposers": ("speculative_proposers", "name"),
+    "register_poolers": ("poolers", "name"),
 }
 
 
@@ -87,6 +89,7 @@ class Registry:
     structured_output_backends: dict[str, StructuredOutputBackendSpec] = field(default_factory=dict)
     quantization_methods: dict[str, QuantizationMethodSpec] = field(default_factory=dict)
     speculative_proposers: dict[str, SpeculativeProposerSpec] = field(default_factory=dict)
+    poolers: dict[str, PoolerSpec] = field(default_factory=dict)
     owner: dict[tuple[str, str], str] = field(default_factory=dict)  # (kind, name) -> plugin
     plugins: list[PluginInfo] = field(default_factory=list)
     # (kind, name) -> every plugin registering it; such names are not in the tables above
@@ -131,6 +134,9 @@ class Registry:
 
     def speculative_proposer(self, name: str) -> SpeculativeProposerSpec:
         return self._lookup("speculative_proposers", "speculative.method", name)
+
+    def pooler(self, name: str) -> PoolerSpec:
+        return self._lookup("poolers", "pooling.pooler", name)
 
     def model(self, architecture: str) -> ModelSpec:
         try:

@@ -48,6 +48,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top-k logprobs per generated token (plus the sampled one)
+    # top-k logprobs per prompt token (plus the prompt's own token) from the model's raw logits; the
+    # first prompt token has none. Every prompt position is computed for it (no prefix-cache hit).
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -95,7 +98,7 @@ class SamplingParams:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or abs(value) > FLOAT32_MAX:
                 bad(name, "must be a finite number within float32 range (|x| <= 3.4e38)")
-        for name in ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs"):
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not is_int(value):
                 bad(name, "must be an integer (64-bit)")
@@ -121,6 +124,8 @@ class SamplingParams:
             bad("stop_token_ids", "must be a list of token ids >= 0")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             bad("logprobs", "must be an integer in [0, 20] or None")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            bad("prompt_logprobs", "must be an integer in [0, 20] or None")
         if not -2.0 <= self.presence_penalty <= 2.0:
             bad("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:

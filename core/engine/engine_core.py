@@ -21,6 +21,7 @@ from typing import Callable, Iterable
 from paged.core.config import EngineConfig, check_quantization, resolve_plugins, resolve_structured_output
 from paged.core.engine.grammar import StructuredOutputManager
 from paged.core.engine.kv_cache_manager import KVCacheManager
+from paged.core.engine.pooling import resolve_pooling
 from paged.core.engine.outputs import EngineCoreOutput, EngineCoreRequest
 from paged.core.engine.request import Request, RequestStatus
 from paged.core.engine.scheduler import Scheduler, SchedulerOutput
@@ -42,6 +43,9 @@ class ModelInfo:
     num_blocks: int
     block_size: int
     tokenizer_dir: str = ""  # the model's own directory unless model.tokenizer names another
+    runner: str = "generate"  # model.runner
+    # the pooling runner: pooler, normalize (the default), max_dimensions, classifier_tokens (or None)
+    pooling: dict | None = None
 
 
 @dataclass
@@ -76,6 +80,7 @@ class EngineCore:
         speculative = self._resolve_proposer(config, registry)
         # The model's settings are settled (and checked) before any rank starts or loads weights.
         self.model_config = resolve_model(config, registry, self.device)
+        pooling = resolve_pooling(config, registry, str(self.model_config.model_dir), self.model_config.hf_config)
         configure_cpu_threads(config, self.device)
         # Tensor parallelism: this process becomes rank 0 (the other ranks start or join here).
         self.tp_ranks = TensorParallelRanks.start(config, self.device)
@@ -111,7 +116,15 @@ class EngineCore:
             num_blocks=self.runner.num_blocks,
             block_size=config.cache.block_size,
             tokenizer_dir=str(self.model_config.tokenizer_dir),
+            runner=config.model.runner,
         )
+        self.pooling = pooling
+        if pooling is not None:
+            pooling.build(self.model_config)
+            self.runner.pooling = pooling
+            self.model_info.pooling = pooling.info()
+            logger.info("pooling runner: %s%s", pooling.name, f" of tokens {pooling.classifier_tokens}"
+                        if pooling.classifier_tokens else f", normalize {str(pooling.normalize).lower()}")
         spec, options = structured_output
         self.structured_output = StructuredOutputManager(
             spec, options, self.model_info.tokenizer_dir or self.model_info.model_dir, self.model_config.vocab_size,
@@ -175,6 +188,10 @@ class EngineCore:
         quantizer = getattr(self.runner, "quantizer", None)
         for name, (spec, _) in (quantizer.methods.items() if quantizer is not None else ()):
             found.append(plugin_code("quantization method", name, owner(("quantization_methods", name)), spec.quantize))
+        pooling = getattr(self, "pooling", None)
+        if pooling is not None and pooling.pooler is not None:
+            found.append(plugin_code("pooler", pooling.name, owner(("poolers", pooling.name)), pooling.spec.factory,
+                                     pooling.pooler))
         spec = self.structured_output.spec
         found.append(plugin_code("structured-output backend", spec.name, owner(("structured_output_backends", spec.name)),
                                  spec.factory, spec.validate))
@@ -201,6 +218,7 @@ class EngineCore:
             raise EngineError(self.dead)
         if isinstance(request, EngineCoreRequest):
             request = request.to_request()
+        self._check_runner(request)
         params = request.sampling_params.structured_output
         if params is None:
             self.scheduler.add_request(request)
@@ -209,6 +227,18 @@ class EngineCore:
             raise InvalidRequestError(f"request_id: {request.request_id!r} is already in use")
         self.scheduler.check_request(request.num_prompt_tokens, request.max_tokens)
         self.compiling[request.request_id] = (request, self.structured_output.submit(params))
+
+    def _check_runner(self, request: Request) -> None:
+        """The pooling runner takes pooling requests only, the generate runner generating ones."""
+        if self.pooling is None:
+            if request.pooling_params is not None:
+                raise InvalidRequestError("model.runner: this engine generates (runner generate); embeddings and scores "
+                                          "need an engine started with --runner pooling")
+            return
+        if request.pooling_params is None:
+            raise InvalidRequestError("model.runner: this engine pools (runner pooling: embeddings, /score, /rerank); "
+                                      "completions and chat need an engine started with --runner generate")
+        request.pool_every_token = self.pooling.needs_all_tokens
 
     def abort_requests(self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         request_ids = list(request_ids)
@@ -264,7 +294,7 @@ class EngineCore:
         except Exception as e:
             raise self._stop(e, "execute") from None
         outputs = self.scheduler.update_from_output(scheduler_output, result.sampled_token_ids, result.logprobs,
-                                                    result.spec_outputs)
+                                                    result.spec_outputs, result.prompt_logprobs, result.pooled)
         if self.speculator is not None:
             if scheduler_output.finished_request_ids:
                 self.speculator.forget(scheduler_output.finished_request_ids)

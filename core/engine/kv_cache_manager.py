@@ -100,8 +100,9 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request, record_stats: bool = True) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of a waiting request: (blocks, number of tokens).
 
-        Never the whole sequence: at least its last token is computed again, to get logits."""
-        if not self.enable_caching:
+        Never the whole sequence: at least its last token is computed again, to get logits. None
+        for a request that must compute every prompt position (``computes_every_prompt_token``)."""
+        if not self.enable_caching or request.computes_every_prompt_token:
             return [], 0
         self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size

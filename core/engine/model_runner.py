@@ -15,6 +15,12 @@ finishes or is preempted (the last row moves into the hole). A step's Python wor
 O(requests + new tokens); its block table (a gather of the scheduled rows), positions and slot
 mapping are vectorised numpy over those rows, never a per-request copy of the blocks held.
 
+Prompt logprobs: a request that asks for them (``Request.prompt_logprobs``) gets logits at each
+prompt position of its chunk whose logprob it does not have yet (the logits at position p give
+the logprob of prompt token p + 1); those rows follow the sampled rows in ``logits_rows`` and go
+through the LM head in slices of ``PROMPT_LOGITS_SLICE`` rows, so a long chunk never holds a
+whole ``[chunk, vocab]`` logits tensor.
+
 Under tensor parallelism every rank has a runner over its share of the model and of the KV
 heads; the scheduler and the sampler exist on rank 0 only. Rank 0 flattens the step into
 ``StepInputs``, broadcasts them (one packed int64 array over the gloo group), and every rank
@@ -35,8 +41,9 @@ from paged.core.config import EngineConfig, ResolvedPlugins
 from paged.core.engine.compiled_step import CompiledForward, OpaqueAttention
 from paged.core.engine.distributed import get_tp, shard_heads
 from paged.core.engine.input_batch import InputBatch
+from paged.core.engine.pooling import PoolingRows
 from paged.core.utils import cdiv
-from paged.core.engine.sampler import Sampler, SamplerOutput
+from paged.core.engine.sampler import Sampler, SamplerOutput, token_logprobs
 from paged.core.engine.spec_decode import DraftRow, accepted_tokens, draft_rows
 from paged.core.engine.scheduler import SchedulerOutput
 from paged.core.errors import ConfigError
@@ -60,9 +67,14 @@ class StepResult:
     logprobs: dict[str, object]
     # requests that verified drafts: (accepted tokens with the last sampled one, their logprobs or None)
     spec_outputs: dict[str, tuple[list[int], list | None]] | None = None
+    # requests that asked for prompt logprobs: this step's new entries, in prompt order
+    prompt_logprobs: dict[str, list] | None = None
+    # the pooling runner: the requests whose prompt was computed this step, their vectors (float32 bytes)
+    pooled: dict[str, bytes] | None = None
 
 
-_HEADER = 5  # num_reqs, num_tokens, num_decodes, max_blocks, num_logits_rows
+_HEADER = 6  # num_reqs, num_tokens, num_decodes, max_blocks, num_logits_rows, num_prompt_rows
+PROMPT_LOGITS_SLICE = 512  # prompt-logprob rows through the LM head at once
 
 
 @dataclass
@@ -77,24 +89,26 @@ class StepInputs:
     seq_lens: np.ndarray  # [num_reqs] int32
     block_table: np.ndarray  # [num_reqs, max_blocks] int32
     slot_mapping: np.ndarray  # [num_tokens] int64
-    logits_rows: np.ndarray  # [num_sampled] int64
+    logits_rows: np.ndarray  # [num_sampled + num_prompt_rows] int64
     num_draft_rows: int = 0  # of logits_rows, those at draft tokens (rank 0 only: not broadcast)
+    num_prompt_rows: int = 0  # the last rows of logits_rows: prompt-logprob rows
 
     def pack(self) -> np.ndarray:
-        """One int64 array: a 5-number header, then the arrays in field order."""
+        """One int64 array: a 6-number header, then the arrays in field order."""
         num_reqs, max_blocks = self.block_table.shape
-        header = [num_reqs, len(self.input_ids), self.num_decodes, max_blocks, len(self.logits_rows)]
+        header = [num_reqs, len(self.input_ids), self.num_decodes, max_blocks, len(self.logits_rows),
+                  self.num_prompt_rows]
         parts = [self.input_ids, self.positions, self.query_start_loc, self.seq_lens,
                  self.block_table.reshape(-1), self.slot_mapping, self.logits_rows]
         return np.concatenate([np.asarray(header, dtype=np.int64)] + [np.asarray(p, dtype=np.int64) for p in parts])
 
     @classmethod
     def unpack(cls, packed: np.ndarray) -> "StepInputs":
-        num_reqs, num_tokens, num_decodes, max_blocks, num_logits = (int(x) for x in packed[:_HEADER])
+        num_reqs, num_tokens, num_decodes, max_blocks, num_logits, num_prompt = (int(x) for x in packed[:_HEADER])
         sizes = [num_tokens, num_tokens, num_reqs + 1, num_reqs, num_reqs * max_blocks, num_tokens, num_logits]
         ids, pos, qsl, seq, table, slots, rows = np.split(packed[_HEADER:], np.cumsum(sizes)[:-1])
         return cls(num_decodes, ids, pos, qsl.astype(np.int32), seq.astype(np.int32),
-                   table.astype(np.int32).reshape(num_reqs, max_blocks), slots, rows)
+                   table.astype(np.int32).reshape(num_reqs, max_blocks), slots, rows, num_prompt_rows=num_prompt)
 
 
 def _num_new_tokens(scheduled) -> int:
@@ -102,6 +116,8 @@ def _num_new_tokens(scheduled) -> int:
 
 
 class ModelRunner:
+    pooling = None  # the pooling runner's PoolingSetup (paged.core.engine.pooling), set by the engine core
+
     def __init__(self, config: EngineConfig, plugins: ResolvedPlugins, model: ResolvedModel, device: torch.device,
                  registry=None) -> None:
         """Build this rank's share of ``model`` (resolved beforehand, see
@@ -135,6 +151,7 @@ class ModelRunner:
             prepack()
         self._log_weight_memory(config.model.dtype)
         self.sampler = Sampler(self.vocab_size, device) if self.tp.is_first else None
+        self.pooling_rows = PoolingRows()  # the pooling runner's (rank 0)
 
         self.num_blocks = self._agree_on_num_blocks(self._determine_num_blocks())
         self.kv_caches = self.backend.allocate_kv_cache(self.num_blocks)
@@ -301,20 +318,56 @@ class ModelRunner:
             self.sampler.forget(output.finished_request_ids)
         removed = output.preempted_request_ids + output.finished_request_ids
         self.input_batch.update(removed, output.scheduled)
+        if self.pooling is not None and removed:
+            self.pooling_rows.drop(removed)
         if not output.scheduled:
             return StepResult({}, {})
-        inputs, sample_requests = self._prepare_inputs(output)
+        inputs, sample_requests, prompt_groups, pool_items = self._prepare_inputs(output)
         if self.tp.size > 1:
             self.tp.broadcast_array(inputs.pack())
-        logits = self._forward(inputs)
+        prompt_logprobs = _PromptLogprobs(prompt_groups) if prompt_groups else None
+        logits, hidden = self._forward(inputs, prompt_logprobs)
+        if pool_items:
+            return StepResult({}, {}, pooled=self._pool(pool_items, inputs, hidden, logits))
+        prompt_out = prompt_logprobs.by_request() if prompt_logprobs is not None else None
         if not sample_requests:
-            return StepResult({}, {})
+            return StepResult({}, {}, prompt_logprobs=prompt_out)
         sampled: SamplerOutput = self.sampler.sample(logits, sample_requests)
         if inputs.num_draft_rows:
-            return self._verified(sample_requests, sampled)
+            result = self._verified(sample_requests, sampled)
+            result.prompt_logprobs = prompt_out
+            return result
         token_ids = {r.request_id: t for r, t in zip(sample_requests, sampled.token_ids)}
         logprobs = {r.request_id: lp for r, lp in zip(sample_requests, sampled.logprobs) if lp is not None}
-        return StepResult(token_ids, logprobs)
+        return StepResult(token_ids, logprobs, prompt_logprobs=prompt_out)
+
+    def _pool(self, items: list, inputs: StepInputs, hidden: torch.Tensor, logits: torch.Tensor | None) -> dict[str, bytes]:
+        """Keep the rows an every-token pooler reads; pool the requests whose prompt is done: the
+        pooler once for all of them, or the classifier tokens' logits (the logits rows are exactly
+        those requests, in order)."""
+        setup = self.pooling
+        keep_all = setup.needs_all_tokens
+        qsl = inputs.query_start_loc
+        ready_ids, ready_rows = [], []
+        for s, i in items:
+            request_id = s.request.request_id
+            start, end = int(qsl[i]), int(qsl[i + 1])
+            if keep_all:
+                self.pooling_rows.add(request_id, hidden[start:end])
+            if s.is_sampled:
+                ready_ids.append(request_id)
+                ready_rows.append(self.pooling_rows.take(request_id) if keep_all else hidden[end - 1:end].float())
+        if not ready_ids:
+            return {}
+        if setup.classifier_token_ids is not None:
+            vectors = list(logits[:, setup.classifier_token_ids].float())
+        else:
+            vectors = setup.pooler.pool(ready_rows)
+            if len(vectors) != len(ready_ids) or any(not isinstance(v, torch.Tensor) or v.dim() != 1 for v in vectors):
+                raise TypeError(f"pooler {setup.name!r}: pool() must return one 1-d tensor per request "
+                                f"({len(ready_ids)} here), got {type(vectors).__name__} of "
+                                f"{[tuple(getattr(v, 'shape', ())) for v in vectors][:4]}")
+        return {r: v.detach().to("cpu", torch.float32).contiguous().numpy().tobytes() for r, v in zip(ready_ids, vectors)}
 
     @staticmethod
     def _verified(rows: list, sampled: SamplerOutput) -> StepResult:
@@ -339,9 +392,11 @@ class ModelRunner:
             i = j
         return StepResult(token_ids, logprobs, spec_outputs)
 
-    def _prepare_inputs(self, output: SchedulerOutput) -> tuple[StepInputs, list]:
+    def _prepare_inputs(self, output: SchedulerOutput) -> tuple[StepInputs, list, list, list]:
         """Flatten the scheduled requests (decodes first), every one held by ``input_batch``;
-        also the requests sampled this step, in the order of ``logits_rows``."""
+        also the requests sampled this step, in the order of ``logits_rows``, the prompt-logprob
+        groups (request, first logits position, count) in the order of the prompt rows, and the
+        pooling requests (scheduled, index in the flattened order)."""
         # shortest queries first (decodes, then verifications and short chunks; stable among equals):
         # backends take decodes first, and the CPU kernel takes the short queries after them too
         order = sorted(output.scheduled, key=_num_new_tokens)
@@ -352,6 +407,8 @@ class ModelRunner:
         sample_index: list[int] = []
         sample_requests = []
         draft_logits_rows: list[int] | None = None  # with drafts: every logits row, in order
+        pool_items: list = []
+        classify = self.pooling is not None and self.pooling.classifier_token_ids is not None
         for i, s in enumerate(order):
             request = s.request
             start, n = s.num_computed_tokens, s.num_new_tokens
@@ -367,7 +424,11 @@ class ModelRunner:
                     draft_logits_rows = []
             else:
                 token_ids.extend(request.all_token_ids[start : start + n])
-            if s.is_sampled:
+            if request.pooling_params is not None:  # never sampled: pooled when its prompt is done
+                pool_items.append((s, i))
+                if s.is_sampled and classify:
+                    sample_index.append(i)
+            elif s.is_sampled:
                 if s.spec_token_ids:
                     sample_requests.extend(draft_rows(request, s.spec_token_ids))
                 else:
@@ -405,10 +466,32 @@ class ModelRunner:
                 num_draft_rows += k
             inputs.logits_rows = np.array(draft_logits_rows, dtype=np.int64)
             inputs.num_draft_rows = num_draft_rows
-        return inputs, sample_requests
+        prompt_groups = []
+        prompt_rows: list[np.ndarray] = []
+        for i, s in enumerate(order):
+            done = s.request.prompt_logprobs
+            if done is None:
+                continue
+            # logits at position p give prompt token p + 1's logprob; those not made yet (a
+            # request that wants them never starts past them: no prefix-cache hit)
+            start = s.num_computed_tokens
+            first = max(start, len(done))
+            end = min(start + s.num_new_tokens, s.request.num_prompt_tokens - 1)
+            if first < end:
+                prompt_groups.append((s.request, first, end - first))
+                prompt_rows.append(np.arange(first - start, end - start, dtype=np.int64) + int(qsl[i]))
+        if prompt_rows:
+            rows = np.concatenate(prompt_rows)
+            inputs.logits_rows = np.concatenate([inputs.logits_rows, rows])
+            inputs.num_prompt_rows = len(rows)
+        return inputs, sample_requests, prompt_groups, pool_items
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
-        """The model on this rank's share; the sampled rows' logits (rank 0) or None."""
+    def _forward(self, inputs: StepInputs, prompt_logprobs: "_PromptLogprobs | None" = None
+                 ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The model on this rank's share: the sampled rows' logits (rank 0; else None) and the
+        final hidden states of every token. The prompt
+        rows' logits go, slice by slice, to ``prompt_logprobs`` (rank 0; every rank runs the
+        same LM-head calls, a collective under tensor parallelism)."""
         num_reqs = len(inputs.seq_lens)
         batch = self._to_batch(
             num_reqs, len(inputs.input_ids), inputs.num_decodes, inputs.query_start_loc, inputs.seq_lens,
@@ -418,12 +501,46 @@ class ModelRunner:
         positions = torch.from_numpy(inputs.positions).to(self.device)
         metadata = self.backend.build_metadata(batch)
         hidden = self.forward_model(input_ids, positions, self.kv_caches, metadata)
-        if not len(inputs.logits_rows):
-            return None
-        return self.model.compute_logits(hidden[torch.from_numpy(inputs.logits_rows).to(self.device)])
+        rows = torch.from_numpy(inputs.logits_rows).to(self.device)
+        num_sampled = len(rows) - inputs.num_prompt_rows
+        for first in range(num_sampled, len(rows), PROMPT_LOGITS_SLICE):
+            part = self.model.compute_logits(hidden[rows[first:first + PROMPT_LOGITS_SLICE]])
+            if prompt_logprobs is not None and part is not None:
+                prompt_logprobs.add(part)
+        if not num_sampled:
+            return None, hidden
+        return self.model.compute_logits(hidden[rows[:num_sampled]]), hidden
 
     @torch.inference_mode()
     def run_worker_loop(self) -> None:
         """Ranks other than 0: run each step rank 0 broadcasts, until it broadcasts the stop."""
         while (packed := self.tp.broadcast_array(None)) is not None:
             self._forward(StepInputs.unpack(packed))
+
+
+class _PromptLogprobs:
+    """Collects one step's prompt logprobs from the LM head's slices of prompt rows: for each row
+    the logprob and rank of the prompt's next token and the request's top-k, from the raw logits'
+    ``log_softmax`` (no sampling settings apply, as in vLLM)."""
+
+    def __init__(self, groups: list) -> None:
+        self.groups = groups  # (request, first logits position, count), in row order
+        self.targets: list[int] = []  # the prompt token each row's logits predict
+        self.ks: list[int] = []
+        for request, first, count in groups:
+            self.targets.extend(request.prompt_token_ids[first + 1:first + 1 + count])
+            self.ks.extend([request.sampling_params.prompt_logprobs] * count)
+        self.entries: list = []
+
+    def add(self, logits: torch.Tensor) -> None:
+        begin = len(self.entries)
+        targets = torch.tensor(self.targets[begin:begin + logits.shape[0]], device=logits.device)
+        ks = self.ks[begin:begin + logits.shape[0]]
+        self.entries.extend(token_logprobs(torch.log_softmax(logits.float(), dim=-1), targets, ks))
+
+    def by_request(self) -> dict[str, list]:
+        out, at = {}, 0
+        for request, _first, count in self.groups:
+            out[request.request_id] = self.entries[at:at + count]
+            at += count
+        return out

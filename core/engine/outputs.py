@@ -9,6 +9,7 @@ import msgspec
 
 from paged.core.engine.request import Request, RequestStatus
 from paged.core.engine.sampler import TokenLogprobs
+from paged.core.pooling_params import PoolingParams
 from paged.core.sampling_params import SamplingParams
 
 
@@ -28,12 +29,14 @@ class EngineCoreRequest(msgspec.Struct, tag="add", array_like=True):
     max_tokens: int = 16  # resolved by the front-end against max_model_len
     tenant: str | None = None
     deadline: float | None = None  # absolute, time.monotonic() (the same clock in every process)
+    pooling_params: PoolingParams | None = None  # a pooling request (model.runner: pooling)
 
     def to_request(self) -> Request:
         """The engine's own request (it copies the prompt into its growing token list)."""
         return Request(self.request_id, self.prompt_token_ids, self.sampling_params, arrival_time=self.arrival_time,
                        priority=self.priority, cache_salt=self.cache_salt, eos_token_id=self.eos_token_id,
-                       max_tokens=self.max_tokens, tenant=self.tenant, deadline=self.deadline)
+                       max_tokens=self.max_tokens, tenant=self.tenant, deadline=self.deadline,
+                       pooling_params=self.pooling_params)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -52,6 +55,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_preemptions: int = 0
     reject_reason: str | None = None  # with finish_reason "rejected": the policy's reason
     error: str | None = None  # with finish_reason "error": who failed, how (paged.core.engine.plugin_faults)
+    # with the first token, when asked for: one entry per prompt token after the first
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    pooled: bytes | None = None  # a pooling request's vector: float32, little-endian (its whole output)
 
     @classmethod
     def ended(cls, request: Request) -> "EngineCoreOutput":

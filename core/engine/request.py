@@ -64,6 +64,14 @@ class Request:
     spec_window_drafted: int = 0  # draft tokens verified (and accepted) since the last acceptance check
     spec_window_accepted: int = 0
     spec_paused_until: int = 0  # the speculator's step from which it is asked again
+    # Prompt logprobs (sampling_params.prompt_logprobs): an entry per prompt token after the first,
+    # filled chunk by chunk by the runner, which computes only those not here yet (a request
+    # preempted in its prefill does not get them twice); None when not asked for.
+    prompt_logprobs: list | None = None
+    # A pooling request (paged.core.pooling): its whole output is one pooled vector, made when its
+    # prompt is computed; ``pool_every_token``: the pooler reads every prompt position's hidden state.
+    pooling_params: Any = None
+    pool_every_token: bool = False
     # Set by the policy at admission; compared with < (lower runs first, higher is preempted).
     sort_key: tuple = ()
     # Policy inputs the scheduler maintains (read through RequestView).
@@ -83,6 +91,17 @@ class Request:
         self.all_token_ids = list(self.prompt_token_ids)
         self.view = RequestView(self)  # what policies see
         self._draft_view = None
+        if self.sampling_params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = []
+
+    @property
+    def computes_every_prompt_token(self) -> bool:
+        """Prompt logprobs still to make, or a pooler that reads every prompt position: each of
+        them must run, so no prefix-cache hit is taken (its blocks are still cached for others)."""
+        if self.pool_every_token:
+            return True
+        done = self.prompt_logprobs
+        return done is not None and len(done) < len(self.prompt_token_ids) - 1
 
     @property
     def draft_view(self):

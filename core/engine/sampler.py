@@ -72,6 +72,22 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # None where sampling_params.logprobs is None
 
 
+def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, ks: list[int]) -> list[TokenLogprobs]:
+    """Row i's entry for ``token_ids[i]`` with the ``ks[i]`` most likely tokens, from ``logprobs``
+    ``[rows, vocab]`` (a ``log_softmax``)."""
+    chosen = logprobs.gather(1, token_ids[:, None].long())
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    max_k = max(ks, default=0)
+    top_vals = top_idx = None
+    if max_k > 0:
+        top_vals, top_idx = logprobs.topk(min(max_k, logprobs.shape[1]), dim=-1)
+        top_vals, top_idx = top_vals.tolist(), top_idx.tolist()
+    chosen_l, toks = chosen[:, 0].tolist(), token_ids.tolist()
+    return [TokenLogprobs(token_id=toks[j], logprob=chosen_l[j], rank=ranks[j],
+                          top=list(zip(top_idx[j][:k], top_vals[j][:k])) if k > 0 else [])
+            for j, k in enumerate(ks)]
+
+
 def _rows_of(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """``x[rows]``; ``x`` itself when that is all of its rows."""
     if len(rows) == x.shape[0]:
@@ -456,14 +472,5 @@ class Sampler:
     ) -> None:
         dev = logprobs.device
         toks = token_ids[torch.tensor(rows, device=dev)] if len(rows) < token_ids.shape[0] else token_ids
-        chosen = logprobs.gather(1, toks[:, None])
-        ranks = (logprobs > chosen).sum(dim=-1) + 1
-        max_k = max(params[i].logprobs for i in rows)
-        if max_k > 0:
-            top_vals, top_idx = logprobs.topk(min(max_k, logprobs.shape[1]), dim=-1)
-            top_vals_l, top_idx_l = top_vals.tolist(), top_idx.tolist()
-        chosen_l, ranks_l, toks_l = chosen[:, 0].tolist(), ranks.tolist(), toks.tolist()
-        for j, i in enumerate(rows):
-            k = params[i].logprobs
-            top = list(zip(top_idx_l[j][:k], top_vals_l[j][:k])) if k > 0 else []
-            out[i] = TokenLogprobs(token_id=toks_l[j], logprob=chosen_l[j], rank=ranks_l[j], top=top)
+        for i, entry in zip(rows, token_logprobs(logprobs, toks, [params[i].logprobs for i in rows])):
+            out[i] = entry

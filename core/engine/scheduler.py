@@ -479,19 +479,40 @@ class Scheduler:
     def update_from_output(
         self, output: SchedulerOutput, sampled_token_ids: dict[str, int], logprobs: dict[str, TokenLogprobs] | None = None,
         spec_outputs: dict[str, tuple[list[int], list[TokenLogprobs] | None]] | None = None,
+        prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None, pooled: dict[str, bytes] | None = None,
     ) -> list[EngineCoreOutput]:
         """Advance each constrained request's grammar by its sampled token, append the token,
         apply stop conditions, free finished requests: every finish decision of a step is here.
         Returns the step's outputs: one per request that received a token (finished ones
         included), with its ``logprobs`` entry when there is one. A request that verified drafts
-        gets its accepted tokens from ``spec_outputs`` (``_append_accepted``)."""
+        gets its accepted tokens from ``spec_outputs`` (``_append_accepted``). ``prompt_logprobs``:
+        the step's new prompt-logprob entries, appended to their requests; all of a request's go
+        out with its first token. ``pooled``: the pooling requests whose prompt was computed, each
+        finished with its vector as its output (``pooled``)."""
         updated = []
         now = self.clock()
         running = RequestStatus.RUNNING
+        if prompt_logprobs:
+            for scheduled in output.scheduled:
+                entries = prompt_logprobs.get(scheduled.request.request_id)
+                if entries:
+                    scheduled.request.prompt_logprobs.extend(entries)
         for scheduled in output.scheduled:
             if not scheduled.is_sampled:  # still in prefill: no token, whatever the runner sent
                 continue
             request = scheduled.request
+            if request.pooling_params is not None:
+                vector = pooled.get(request.request_id) if pooled else None
+                if vector is None or request.status is not running:
+                    continue
+                self.running.remove(request)
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.first_token_time = request.first_token_time or now
+                self._free(request)
+                out = EngineCoreOutput.ended(request)
+                out.pooled = vector
+                updated.append(out)
+                continue
             if scheduled.spec_token_ids:
                 if request.status is running and spec_outputs and request.request_id in spec_outputs:
                     updated.append(self._append_accepted(scheduled, *spec_outputs[request.request_id], now))
@@ -517,7 +538,10 @@ class Scheduler:
                 self.running.remove(request)
                 request.status = status
                 self._free(request)
-            updated.append(EngineCoreOutput.of(request, logprobs.get(request.request_id) if logprobs else None))
+            out = EngineCoreOutput.of(request, logprobs.get(request.request_id) if logprobs else None)
+            if request.prompt_logprobs is not None and len(request.output_token_ids) == 1:
+                out.prompt_logprobs = request.prompt_logprobs
+            updated.append(out)
         return updated
 
 

@@ -222,7 +222,7 @@ class AsyncLLM:
             self.abort(request_id)
             raise
         self.observer.prompt_tokens(len(state.prompt_token_ids) * len(requests))
-        if self.trace_recorder is not None:
+        if self.trace_recorder is not None and state.pooling is None:
             self.trace_recorder.add(request_id, params or SamplingParams(), priority, state.prompt)
         return stream
 
@@ -402,7 +402,8 @@ class AsyncLLM:
             self._observe_finished(sample)
         if self.trace_recorder is not None:
             for state in result.done:
-                self.trace_recorder.finish(state.final_output())
+                if state.pooling is None:
+                    self.trace_recorder.finish(state.final_output())
 
     def _observe_finished(self, sample: SampleState) -> None:
         self.observer.request_finished(sample.finish_reason)

@@ -1,16 +1,21 @@
-"""The offline API: ``LLM(model=None, **settings).generate(...)`` / ``.chat(...)``."""
+"""The offline API: ``LLM(model=None, **settings).generate(...)`` / ``.chat(...)``; with
+``runner="pooling"``, ``.embed(...)`` / ``.encode(...)`` / ``.score(...)``."""
 
 from __future__ import annotations
 
 import time
 from typing import Any, Sequence
 
+import numpy as np
+
 from paged.core.config import EngineConfig, Flag, config_flags, load_config
 from paged.core.frontend.llm_engine import LLMEngine
 from paged.core.errors import ConfigError, EngineError, InvalidRequestError
-from paged.core.frontend.outputs import RequestOutput, RequestOutputKind
+from paged.core.frontend.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput, RequestOutputKind
+from paged.core.frontend.scoring import classifier_prompts, cosine_scores, pair_up
 from paged.core.frontend.tools import (calls_from_constrained, check_tools, model_type, tool_choice_mode,
                                        tool_constraint, tool_parser_for)
+from paged.core.pooling_params import PoolingParams
 from paged.core.sampling_params import SamplingParams
 
 
@@ -165,6 +170,57 @@ class LLM:
         if failed:  # a plugin failed on some requests; the others' outputs ride along
             raise EngineError(f"{len(failed)} of {len(outputs)} requests failed: {failed[0]}", outputs)
         return outputs
+
+
+    # --- the pooling runner (model.runner="pooling") --------------------------------------
+    def encode(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
+               use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """Each prompt (text, or token ids) pooled into one vector (``outputs.data``), in input
+        order; needs ``runner="pooling"``. A request a plugin failed on raises EngineError with
+        every output in ``.outputs``."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _broadcast(pooling_params or PoolingParams(), len(prompt_list), "pooling_params")
+        engine = self.engine
+        ids = []
+        try:
+            for prompt, params in zip(prompt_list, params_list):
+                ids.append(engine.add_request(None, prompt, params, output_kind=RequestOutputKind.FINAL_ONLY))
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        bar = _progress(len(ids)) if use_tqdm else None
+        try:
+            outputs = engine.run_until_finished(ids, (lambda _: bar.update(1)) if bar is not None else None)
+        finally:
+            if bar is not None:
+                bar.close()
+        failed = [o.error for o in outputs if o.outputs is None]
+        if failed:
+            raise EngineError(f"{len(failed)} of {len(outputs)} requests failed: {failed[0]}", outputs)
+        return outputs
+
+    def embed(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
+              use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """Embeddings (``outputs.embedding``, a list of floats), as vLLM's ``LLM.embed``."""
+        return self.encode(prompts, pooling_params, use_tqdm=use_tqdm)
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], *,
+              use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """One query against each document (or pairwise, for two lists of one length):
+        ``outputs.score`` per pair, in order (``paged.core.frontend.scoring``)."""
+        pairs = pair_up(text_1, text_2)
+        info = self.engine.model_info.pooling or {}
+        prompts = classifier_prompts(info, pairs)
+        if prompts is not None:
+            return self.encode(prompts, use_tqdm=use_tqdm)
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        embedded = dict(zip(texts, self.encode(texts, use_tqdm=use_tqdm)))
+        scores = cosine_scores(pairs, {t: o.outputs.data for t, o in embedded.items()})
+        return [PoolingRequestOutput(f"score-{i}", None, embedded[d].prompt_token_ids,
+                                     PoolingOutput(np.array([s], dtype=np.float32), s))
+                for i, ((_, d), s) in enumerate(zip(pairs, scores))]
 
 
 def _tool_calls(mode: str, name: str | None, parser, c) -> list:

@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 
 class RequestOutputKind(enum.Enum):
     """What a request's consumer is handed, chosen when the request is added (as vLLM's
@@ -91,3 +93,57 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     metrics: RequestMetrics | None = None
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then one TokenLogprobs
+    # (the prompt's token, its rank, the top-k) per prompt token; from the first output on
+    prompt_logprobs: list[Any] | None = None
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's vector (float32), after ``normalize`` and ``dimensions``. For a
+    classifier (``pooling.classifier_from_tokens``) ``data`` holds the listed tokens' softmax
+    probabilities and ``score`` the last one's."""
+
+    data: np.ndarray
+    score: float | None = None
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.data.tolist()
+
+
+@dataclass
+class PoolingRequestOutput:
+    """One pooling request's result (``LLM.embed`` / ``encode`` / ``score``, ``/v1/embeddings``):
+    ``outputs`` is None when it did not finish normally (``finish_reason`` "abort", "rejected",
+    "error"; ``error`` says why)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput | None
+    finished: bool = True
+    finish_reason: str | None = "stop"
+    error: str | None = None
+    metrics: RequestMetrics | None = None
+
+
+def pooled_output(raw: bytes, normalize: bool | None, dimensions: int | None, info: dict) -> PoolingOutput:
+    """The engine's raw vector as the request asked for it: a classifier's logits become
+    probabilities; an embedding keeps its first ``dimensions`` values and is L2-normalised when
+    ``normalize`` (None: the engine's ``pooling.normalize``) or ``dimensions`` says so."""
+    vector = np.frombuffer(raw, dtype="<f4").astype(np.float32)
+    if info.get("classifier_tokens"):
+        if len(vector) == 1:
+            probs = 1.0 / (1.0 + np.exp(-vector))
+        else:
+            exp = np.exp(vector - vector.max())
+            probs = exp / exp.sum()
+        return PoolingOutput(probs.astype(np.float32), float(probs[-1]))
+    if dimensions is not None:
+        vector = vector[:dimensions]
+    if normalize if normalize is not None else (info.get("normalize", True) or dimensions is not None):
+        norm = float(np.linalg.norm(vector))
+        if norm > 0:
+            vector = vector / norm
+    return PoolingOutput(vector.astype(np.float32))

@@ -22,6 +22,7 @@ from paged.core.frontend.detokenizer import IncrementalDetokenizer
 from paged.core.frontend.outputs import RequestOutput, RequestOutputKind
 from paged.core.frontend.request_state import RequestState, SampleState
 from paged.core.frontend.tools import render_tool_messages
+from paged.core.pooling_params import PoolingParams
 from paged.core.sampling_params import SamplingParams
 
 
@@ -98,7 +99,7 @@ class InputProcessor:
         self,
         request_id: str,
         prompt: str | Sequence[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int = 0,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
@@ -124,6 +125,12 @@ class InputProcessor:
                 raise InvalidRequestError(
                     f"prompt_token_ids: {bad[:5]} out of range; token ids must be in [0, {self.info.vocab_size})"
                 )
+        if isinstance(params, PoolingParams):
+            return self._pooling_request(request_id, text, token_ids, params, priority, arrival_time, cache_salt,
+                                         tenant, deadline_s, output_kind)
+        if self.info.runner == "pooling":
+            raise InvalidRequestError("model.runner: this engine pools (runner pooling: embeddings, /score, /rerank); "
+                                      "completions and chat need an engine started with --runner generate")
         params = self._check_token_fields(params)
         if params.structured_output is not None and self.validate_structured_output is not None:
             self.validate_structured_output(params.structured_output, self.info)
@@ -146,12 +153,50 @@ class InputProcessor:
             if params.n > 1 or extra_stop:
                 seed = None if params.seed is None else params.seed + index
                 child_params = params.copy(n=1, seed=seed, stop_token_ids=params.stop_token_ids + extra_stop)
+                if index > 0 and params.prompt_logprobs is not None:  # one sample makes them; the rest may hit the cache
+                    child_params.prompt_logprobs = None
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
             requests.append(EngineCoreRequest(child_id, token_ids, child_params, arrival_time, priority, cache_salt,
                                               eos, max_tokens, tenant, deadline))
             state.add_sample(child_id, IncrementalDetokenizer(self.tokenizer, token_ids, child_params),
                              child_params.stop_token_ids, params.logprobs is not None)
         return state, requests
+
+
+    def _pooling_request(self, request_id: str, text: str | None, token_ids: list[int], params: PoolingParams,
+                         priority: int, arrival_time: float | None, cache_salt: str | None, tenant: str | None,
+                         deadline_s: float | None, output_kind: RequestOutputKind,
+                         ) -> tuple[RequestState, list[EngineCoreRequest]]:
+        """A pooling request: its prompt, computed once, becomes a vector (no sampling, no text)."""
+        info = self.info.pooling
+        if info is None:
+            raise InvalidRequestError("model.runner: this engine generates (runner generate); embeddings and scores "
+                                      "need an engine started with --runner pooling")
+        if params.dimensions is not None:
+            limit = info.get("max_dimensions")
+            if limit is None:
+                raise InvalidRequestError(f"dimensions: {params.dimensions} asked for, but this model has no Matryoshka "
+                                          "dimensions (its config.json sets no matryoshka_dimensions; "
+                                          "pooling.max_dimensions allows them)")
+            if params.dimensions > limit:
+                raise InvalidRequestError(f"dimensions: {params.dimensions} exceeds this model's {limit}; "
+                                          f"give at most {limit}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(f"priority: invalid value {priority!r}; must be an integer")
+        check_request_metadata(tenant, deadline_s)
+        info_ = self.info
+        check_request_fits(len(token_ids), 1, info_.max_model_len, info_.num_blocks, info_.block_size)
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        deadline = None if deadline_s is None else arrival_time + float(deadline_s)
+        state = RequestState(request_id, text, token_ids, output_kind)
+        state.pooling = (params, info)
+        request = EngineCoreRequest(request_id, token_ids, _POOLING_SAMPLING, arrival_time, priority, cache_salt,
+                                    None, 1, tenant, deadline, params)
+        state.add_sample(request_id, None, [], False)
+        return state, [request]
+
+
+_POOLING_SAMPLING = SamplingParams(max_tokens=1)  # what a pooling request carries (never sampled)
 
 
 @dataclass

@@ -11,7 +11,14 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from paged.core.frontend.detokenizer import IncrementalDetokenizer
-from paged.core.frontend.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
+from paged.core.frontend.outputs import (
+    CompletionOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+    RequestOutputKind,
+    pooled_output,
+)
 
 if TYPE_CHECKING:
     from paged.core.engine.outputs import EngineCoreOutput
@@ -29,9 +36,9 @@ class SampleState:
 
     __slots__ = ("request", "request_id", "index", "detokenizer", "stop_token_ids", "token_ids", "logprobs",
                  "finish_reason", "stop_reason", "live", "last_token_time", "pending", "new_token_ids",
-                 "new_logprobs", "new_text", "_last", "_finished_time")
+                 "new_logprobs", "new_text", "_last", "_finished_time", "pooled")
 
-    def __init__(self, request: RequestState, request_id: str, index: int, detokenizer: IncrementalDetokenizer,
+    def __init__(self, request: RequestState, request_id: str, index: int, detokenizer: IncrementalDetokenizer | None,
                  stop_token_ids: list[int], logprobs: bool) -> None:
         self.request = request
         self.request_id = request_id  # the core request's id
@@ -50,6 +57,7 @@ class SampleState:
         self.new_text = ""
         self._last: EngineCoreOutput | None = None  # the latest core output: the request's timestamps
         self._finished_time: float | None = None
+        self.pooled: bytes | None = None  # a pooling request's vector (no detokenizer then)
 
     @property
     def finished(self) -> bool:
@@ -58,7 +66,17 @@ class SampleState:
     def append(self, core_out: EngineCoreOutput) -> bool:
         """Add one core output of this (unfinished) sample. True when a stop string ended it
         here while the core still runs it (the caller aborts it in the core)."""
+        if self.detokenizer is None:  # a pooling request: one output, its vector (or why it ended)
+            self.pooled = core_out.pooled
+            self.finish_reason = core_out.finish_reason or "stop"
+            self.stop_reason = core_out.error or core_out.reject_reason
+            self._last = core_out
+            self.pending, self.live = True, False
+            self._finished_time = core_out.finished_time if core_out.finished_time is not None else time.monotonic()
+            return False
         new_ids, new_logprobs = core_out.new_token_ids, core_out.logprobs
+        if core_out.prompt_logprobs is not None:  # the first prompt token has none
+            self.request.prompt_logprobs = [None, *core_out.prompt_logprobs]
         detokenizer = self.detokenizer
         if len(new_ids) > 1 and detokenizer.has_stop_strings:
             # several tokens at once (speculative decoding): a stop string ends the output at the
@@ -137,7 +155,7 @@ class RequestState:
     until its last output is handed out or it is aborted (``OutputProcessor.remove``)."""
 
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "output_kind", "samples", "num_unfinished", "stream",
-                 "changed")
+                 "changed", "prompt_logprobs", "pooling")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
@@ -149,6 +167,8 @@ class RequestState:
         self.num_unfinished = 0
         self.stream: Any = None  # paged.core.frontend.stream.RequestStream (AsyncLLM's)
         self.changed = False  # a sample changed in the step being processed
+        self.prompt_logprobs: list[Any] | None = None  # when asked for: [None, entry per later prompt token]
+        self.pooling: tuple[Any, dict] | None = None  # a pooling request: (PoolingParams, ModelInfo.pooling)
 
     def add_sample(self, request_id: str, detokenizer: IncrementalDetokenizer, stop_token_ids: list[int],
                    logprobs: bool) -> SampleState:
@@ -168,6 +188,8 @@ class RequestState:
     def output(self) -> RequestOutput | None:
         """The output to hand out after a step that changed a sample (None: nothing for this
         consumer now, i.e. FINAL_ONLY before the end)."""
+        if self.pooling is not None:
+            return None if self.num_unfinished else self.final_output()
         kind = self.output_kind
         if kind is _DELTA:
             completions = [s.delta() for s in self.samples if s.pending]
@@ -178,11 +200,20 @@ class RequestState:
         else:
             completions = [s.cumulative() for s in self.samples]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions,
-                             finished=not self.num_unfinished, metrics=completions[0].metrics if completions else None)
+                             finished=not self.num_unfinished, metrics=completions[0].metrics if completions else None,
+                             prompt_logprobs=self.prompt_logprobs)
 
-    def final_output(self) -> RequestOutput:
+    def final_output(self) -> RequestOutput | PoolingRequestOutput:
         """The whole output of a finished request, whatever its kind (built once, e.g. for a
         trace recorder)."""
+        if self.pooling is not None:
+            sample = self.samples[0]
+            params, info = self.pooling
+            vector = None
+            if sample.pooled is not None:
+                vector = pooled_output(sample.pooled, params.normalize, params.dimensions, info)
+            return PoolingRequestOutput(self.request_id, self.prompt, self.prompt_token_ids, vector, True,
+                                        sample.finish_reason, sample.stop_reason, sample.metrics())
         completions = [s.final() for s in self.samples]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, finished=True,
-                             metrics=completions[0].metrics)
+                             metrics=completions[0].metrics, prompt_logprobs=self.prompt_logprobs)

@@ -3,7 +3,8 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as server-sent
 events or not), ``POST /v1/responses`` with ``GET``/``DELETE /v1/responses/{id}`` and
 ``POST /v1/responses/{id}/cancel`` (``paged.core.server.responses``), ``POST /tokenize`` and
-``POST /detokenize`` (vLLM's shapes), ``GET /v1/models``, ``GET /health`` (503 until the engine core is ready and
+``POST /detokenize`` (vLLM's shapes); with ``--runner pooling`` ``POST /v1/embeddings``, ``/score`` and
+``/rerank`` (``paged.core.server.pooling``); ``GET /v1/models``, ``GET /health`` (503 until the engine core is ready and
 whenever it is dead), ``GET /metrics`` (Prometheus text), ``GET /version`` and
 ``GET /debug/engine`` (core pid, KV blocks free / total, running / waiting requests).
 When the engine core dies the server exits non-zero or restarts the engine
@@ -45,7 +46,7 @@ from paged.core.server.guard import Guard, read_json
 from paged.core.server.protocol import TENANT_HEADER, tenant_header
 from paged.core.server.state import ServerState
 from paged.core.server.streaming import unless_disconnected
-from paged.core.server import responses
+from paged.core.server import pooling, responses
 from paged.core.server.responses import ResponseStore
 from paged.core.server.tokenize import detokenize, tokenize
 
@@ -189,6 +190,27 @@ def build_app(config: EngineConfig, start_timeout: float = 600.0,
     @app.delete("/v1/responses/{response_id}")
     async def delete_response_route(response_id: str):
         return await responses.delete(state, response_store, response_id)
+
+    @app.post("/v1/embeddings")
+    async def embeddings_route(request: Request):
+        body = await read_json(request, config.server.max_body_bytes)
+        tenant = tenant_header(request.headers.get(TENANT_HEADER))
+        return await unless_disconnected(request, pooling.embeddings(state, body, tenant))
+
+    async def score_route(request: Request):
+        body = await read_json(request, config.server.max_body_bytes)
+        tenant = tenant_header(request.headers.get(TENANT_HEADER))
+        return await unless_disconnected(request, pooling.score(state, body, tenant))
+
+    async def rerank_route(request: Request):
+        body = await read_json(request, config.server.max_body_bytes)
+        tenant = tenant_header(request.headers.get(TENANT_HEADER))
+        return await unless_disconnected(request, pooling.rerank(state, body, tenant))
+
+    for path in ("/score", "/v1/score"):
+        app.add_api_route(path, score_route, methods=["POST"])
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.add_api_route(path, rerank_route, methods=["POST"])
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request):

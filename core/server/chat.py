@@ -9,7 +9,7 @@ from typing import Any
 from fastapi.responses import Response
 
 from paged.core.errors import InvalidRequestError
-from paged.core.frontend.outputs import CompletionOutput
+from paged.core.frontend.outputs import CompletionOutput, RequestOutput
 from paged.core.frontend.reasoning import ThinkParser, starts_in_reasoning
 from paged.core.server.errors import from_exception, invalid
 from paged.core.server.generation import ChoiceFormat, accept, respond
@@ -18,7 +18,7 @@ from paged.core.server.state import ServerState
 from paged.core.server.structured import check_compiles, constraint_field, structured_output_of
 from paged.core.server.tool_calls import ToolCallShaper
 from paged.core.frontend.tools import check_tools, tool_choice_mode, tool_constraint
-from paged.core.server.streaming import chat_logprobs
+from paged.core.server.streaming import chat_logprobs, prompt_logprobs_json
 
 
 class ChatFormat(ChoiceFormat):
@@ -36,6 +36,17 @@ class ChatFormat(ChoiceFormat):
         self.tools = tools
         self.reasoning = reasoning
         self.thinkers: dict[int, ThinkParser] = {}  # choice index -> streaming parser
+        self.prompt_output: RequestOutput | None = None
+
+    def see_prompt(self, i: int, out: RequestOutput) -> None:
+        self.prompt_output = out
+
+    def response_fields(self) -> dict[str, Any]:
+        """vLLM's top-level ``prompt_logprobs`` (of the rendered conversation), when asked for."""
+        out = self.prompt_output
+        if out is None or out.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": prompt_logprobs_json(self.tok, out.prompt_logprobs)}
 
     def final_choice(self, index: int, c: CompletionOutput) -> dict[str, Any]:
         reasoning = None
@@ -156,6 +167,10 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, llm) -> t
         raise
     if constraint is not None:
         params = params.copy(structured_output=constraint)
+    if req.prompt_logprobs is not None:
+        if req.stream:
+            raise invalid("prompt_logprobs: not available when stream is true", "prompt_logprobs")
+        params = params.copy(prompt_logprobs=req.prompt_logprobs)
     if not req.messages:
         raise invalid("messages: must not be empty", "messages")
     if forced is not None:

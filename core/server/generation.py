@@ -41,6 +41,18 @@ class ChoiceFormat:
         ``new_token_ids``, their ``new_logprobs``)."""
         raise NotImplementedError
 
+    def see_prompt(self, i: int, out: RequestOutput) -> None:
+        """Prompt ``i``'s output, handed over before its choices are shaped (its prompt text and
+        prompt logprobs, for ``echo`` and ``prompt_logprobs``)."""
+
+    def completion_tokens(self, token_ids: list[int]) -> int:
+        """The usage's count of generated tokens in ``token_ids``."""
+        return len(token_ids)
+
+    def response_fields(self) -> dict[str, Any]:
+        """Top-level fields a non-streamed response adds."""
+        return {}
+
 
 def accept(state: ServerState, request_type: type, body: Any) -> tuple[Any, AsyncLLM]:
     """The parsed request and the engine that serves it, if the engine runs and the request
@@ -108,11 +120,13 @@ async def respond(state: ServerState, fmt: ChoiceFormat, request_id: str, prompt
             return error.response()
         choices, completion_tokens = [], 0
         for i in range(len(prompts)):
+            fmt.see_prompt(i, final[i])
             for c in final[i].outputs:
-                completion_tokens += len(c.token_ids)
+                completion_tokens += fmt.completion_tokens(c.token_ids)
                 choices.append(fmt.final_choice(i * n + c.index, c))
         prompt_tokens = sum(len(final[i].prompt_token_ids) for i in range(len(prompts)))
-        return JSONResponse({**head, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)})
+        return JSONResponse({**head, "choices": choices, "usage": usage(prompt_tokens, completion_tokens),
+                             **fmt.response_fields()})
 
     first = await first_or_error(it)
     if isinstance(first, Response):
@@ -144,9 +158,10 @@ async def respond(state: ServerState, fmt: ChoiceFormat, request_id: str, prompt
                     yield sse(rejection([out]).body())
                     break
                 prompt_tokens[i] = len(out.prompt_token_ids)
+                fmt.see_prompt(i, out)
                 choices = []
                 for c in out.outputs:
-                    completion_tokens += len(c.new_token_ids)
+                    completion_tokens += fmt.completion_tokens(c.new_token_ids)
                     if not c.new_text and not c.new_token_ids and not c.finished:
                         continue
                     choices.append(fmt.delta_choice(i * n + c.index, c, c.logprobs))

@@ -36,11 +36,12 @@ class PromptInputs:
         """``fn(*args)`` on the tokenizer's thread."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
-    async def tokenize(self, prompts: list[str | list[int]], add_special_tokens: bool) -> list[list[int] | None]:
-        """Each text prompt's tokens (None for a prompt given as token ids)."""
+    async def tokenize(self, prompts: list[str | list[int]], add_special_tokens: bool,
+                       field: str = "prompt") -> list[list[int] | None]:
+        """Each text prompt's tokens (None for a prompt given as token ids); errors name ``field``."""
         for k, p in enumerate(prompts):
             if isinstance(p, str):
-                self.check_length("prompt" if len(prompts) == 1 else f"prompt[{k}]", len(p))
+                self.check_length(field if len(prompts) == 1 else f"{field}[{k}]", len(p))
         texts = [p for p in prompts if isinstance(p, str)]
         if not texts:
             return [None] * len(prompts)
@@ -48,7 +49,7 @@ class PromptInputs:
         ids = await self.run(lambda: [tokenizer(t, add_special_tokens=add_special_tokens)["input_ids"]
                                        for t in texts])
         if not all(ids):
-            raise invalid("prompt: must not be empty (a prompt has no tokens)")
+            raise invalid(f"{field}: must not be empty (a text has no tokens)")
         it = iter(ids)
         return [next(it) if isinstance(p, str) else None for p in prompts]
 

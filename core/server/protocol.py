@@ -45,6 +45,7 @@ class CommonRequest(BaseModel):
     repetition_penalty: float | None = None
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None  # top-k logprobs of each prompt token (vLLM's extra)
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     ignore_eos: bool = False

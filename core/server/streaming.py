@@ -45,6 +45,41 @@ def completion_logprobs(tok: Tokens, logprobs: list, text_offset: int) -> dict[s
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+def echoed_prompt_logprobs(tok: Tokens, prompt_token_ids: list[int], entries: list | None) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` of an echoed prompt: its first token has none
+    (``null``); ``entries`` (``RequestOutput.prompt_logprobs``) None when not asked for."""
+    tokens = [tok(t) for t in prompt_token_ids]
+    offsets, at = [], 0
+    for s in tokens:
+        offsets.append(at)
+        at += len(s)
+    token_lps: list[float | None] = [None] * len(tokens)
+    tops: list[dict[str, float] | None] = [None] * len(tokens)
+    for j, e in enumerate(entries or ()):
+        if e is not None:
+            token_lps[j] = e.logprob
+            top = {tok(t): v for t, v in e.top}
+            top.setdefault(tokens[j], e.logprob)
+            tops[j] = top
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs_json(tok: Tokens, entries: list | None) -> list[dict[str, Any] | None] | None:
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {token id: {logprob,
+    rank, decoded_token}} holding the prompt's own token and the top-k."""
+    if entries is None:
+        return None
+    out: list[dict[str, Any] | None] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        item = {str(t): {"logprob": v, "rank": r + 1, "decoded_token": tok(t)} for r, (t, v) in enumerate(e.top)}
+        item[str(e.token_id)] = {"logprob": e.logprob, "rank": e.rank, "decoded_token": tok(e.token_id)}
+        out.append(item)
+    return out
+
+
 def chat_logprobs(tok: Tokens, logprobs: list) -> dict[str, Any]:
     content = []
     for lp in logprobs:

@@ -307,8 +307,9 @@ def test_readme_parses_as_expected():
     assert len(skipped) == 2, skipped  # the test-suite line and torchrun, nothing else
     expected = [c.expect for block in BLOCKS for c in block if c.expect]
     assert "The capital of France is Paris." in expected, expected
-    # the Python blocks: LLM, the structured output offline and through the official client
-    assert len(PYTHON_BLOCKS) == 3 and any("OpenAI(base_url=" in b for b in PYTHON_BLOCKS)
+    # the Python blocks: LLM, embeddings offline, the structured output offline and through the official client
+    assert len(PYTHON_BLOCKS) == 4 and any("OpenAI(base_url=" in b for b in PYTHON_BLOCKS)
+    assert any('LLM(runner="pooling")' in b for b in PYTHON_BLOCKS)
     assert [python_expectations(b) for b in PYTHON_BLOCKS][0] == ["Paris. ...", None, "The capital of France is Paris."]
     # prose and indented blocks; a span that wraps lines is one command
     assert "paged run" in inline_commands() and "paged run" not in INLINE  # a name
@@ -340,7 +341,8 @@ def readme_server(workdir):
 def test_readme_bash_block_runs(index, workdir):
     for command, out in run_block(BLOCKS[index], workdir):
         if command.text.startswith("curl"):
-            assert json.loads(out).get("choices"), out  # an answer, not an error document
+            answer = json.loads(out)  # an answer (choices, embeddings, scores, results), not an error document
+            assert "error" not in answer and any(answer.get(k) for k in ("choices", "data", "results")), out
         if re.search(r"--json(\s|$)", command.text) and command.text.startswith("paged run"):
             assert json.loads(out)["requests"]
         if command.expect is not None:

@@ -122,7 +122,8 @@ def _host_only_runner(captured: list) -> ModelRunner:
     runner.input_batch = InputBatch(3, cdiv(64, BLOCK_SIZE))  # fewer rows than run at once: it grows
     runner.tp = _SingleRank()
     runner.sampler = _FirstToken()
-    runner._forward = lambda inputs: captured.append(inputs) or np.zeros((len(inputs.logits_rows), 1))
+    runner._forward = lambda inputs, prompt_logprobs=None: (
+        captured.append(inputs) or np.zeros((len(inputs.logits_rows), 1)), None)  # (logits, hidden)
     return runner
 
 

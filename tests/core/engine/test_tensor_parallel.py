@@ -55,12 +55,13 @@ def test_step_inputs_round_trip_through_one_int64_array():
         seq_lens=np.array([13, 3], dtype=np.int32),
         block_table=np.array([[4, 9], [2, 0]], dtype=np.int32),
         slot_mapping=np.array([76, 32, 33, 34], dtype=np.int64),
-        logits_rows=np.array([0, 3], dtype=np.int64),
+        logits_rows=np.array([0, 3, 1, 2], dtype=np.int64),
+        num_prompt_rows=2,
     )
     packed = inputs.pack()
-    assert packed.dtype == np.int64 and packed[:5].tolist() == [2, 4, 1, 2, 2]
+    assert packed.dtype == np.int64 and packed[:6].tolist() == [2, 4, 1, 2, 4, 2]
     back = StepInputs.unpack(packed)
-    assert back.num_decodes == 1
+    assert back.num_decodes == 1 and back.num_prompt_rows == 2
     for name in ("input_ids", "positions", "query_start_loc", "seq_lens", "block_table", "slot_mapping", "logits_rows"):
         np.testing.assert_array_equal(getattr(back, name), getattr(inputs, name), err_msg=name)
     assert back.block_table.dtype == np.int32 and back.query_start_loc.dtype == np.int32

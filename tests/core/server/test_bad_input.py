@@ -429,7 +429,7 @@ def _fuzz_value(rng: random.Random, depth: int = 0):
 
 _FIELDS = ["model", "n", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
            "presence_penalty", "frequency_penalty", "logit_bias", "top_k", "min_p", "repetition_penalty",
-           "min_tokens", "stop_token_ids", "ignore_eos", "priority", "logprobs", "echo", "user", "metadata",
+           "min_tokens", "stop_token_ids", "ignore_eos", "priority", "logprobs", "echo", "prompt_logprobs", "user", "metadata",
            "best_of", "bogus_field", "include_stop_str_in_output", "skip_special_tokens", "max_completion_tokens",
            "top_logprobs", "response_format", "tools", "tool_choice"]
 _ROLES = ["user", "assistant", "system", "developer", "tool", "wizard", "", "USER", 123, None, ["user"], {"r": 1}]
