@@ -21,7 +21,7 @@ from typing import Callable, Iterable
 from paged.core.config import EngineConfig, check_quantization, resolve_plugins, resolve_structured_output
 from paged.core.engine.grammar import StructuredOutputManager
 from paged.core.engine.kv_cache_manager import KVCacheManager
-from paged.core.engine.pooling import resolve_pooling
+from paged.core.engine.pooling import NOT_A_GENERATING_ENGINE, NOT_A_POOLING_ENGINE, resolve_pooling
 from paged.core.engine.outputs import EngineCoreOutput, EngineCoreRequest
 from paged.core.engine.request import Request, RequestStatus
 from paged.core.engine.scheduler import Scheduler, SchedulerOutput
@@ -232,12 +232,10 @@ class EngineCore:
         """The pooling runner takes pooling requests only, the generate runner generating ones."""
         if self.pooling is None:
             if request.pooling_params is not None:
-                raise InvalidRequestError("model.runner: this engine generates (runner generate); embeddings and scores "
-                                          "need an engine started with --runner pooling")
+                raise InvalidRequestError(NOT_A_POOLING_ENGINE)
             return
         if request.pooling_params is None:
-            raise InvalidRequestError("model.runner: this engine pools (runner pooling: embeddings, /score, /rerank); "
-                                      "completions and chat need an engine started with --runner generate")
+            raise InvalidRequestError(NOT_A_GENERATING_ENGINE)
         request.pool_every_token = self.pooling.needs_all_tokens
 
     def abort_requests(self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:

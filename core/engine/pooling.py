@@ -18,6 +18,13 @@ from paged.core.errors import ConfigError
 from paged.core.pooling import PoolerContext, checkpoint_pooling
 
 
+# what a request for the other runner is told (front-end and engine core alike)
+NOT_A_POOLING_ENGINE = ("model.runner: this engine generates (runner generate); embeddings and scores need an "
+                        "engine started with --runner pooling")
+NOT_A_GENERATING_ENGINE = ("model.runner: this engine pools (runner pooling: embeddings, /score, /rerank); "
+                           "completions and chat need an engine started with --runner generate")
+
+
 @dataclass
 class PoolingSetup:
     """What the pooling runner runs (``build`` makes the pooler and finds the classifier's ids)."""

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 from paged.core.constraint_check import ConstraintValidator
 from paged.core.engine.engine_core import ModelInfo
 from paged.core.engine.outputs import EngineCoreOutput, EngineCoreRequest
+from paged.core.engine.pooling import NOT_A_GENERATING_ENGINE, NOT_A_POOLING_ENGINE
 from paged.core.engine.scheduler import check_request_fits
 from paged.core.errors import InvalidRequestError
 from paged.core.frontend.detokenizer import IncrementalDetokenizer
@@ -129,8 +130,7 @@ class InputProcessor:
             return self._pooling_request(request_id, text, token_ids, params, priority, arrival_time, cache_salt,
                                          tenant, deadline_s, output_kind)
         if self.info.runner == "pooling":
-            raise InvalidRequestError("model.runner: this engine pools (runner pooling: embeddings, /score, /rerank); "
-                                      "completions and chat need an engine started with --runner generate")
+            raise InvalidRequestError(NOT_A_GENERATING_ENGINE)
         params = self._check_token_fields(params)
         if params.structured_output is not None and self.validate_structured_output is not None:
             self.validate_structured_output(params.structured_output, self.info)
@@ -170,8 +170,7 @@ class InputProcessor:
         """A pooling request: its prompt, computed once, becomes a vector (no sampling, no text)."""
         info = self.info.pooling
         if info is None:
-            raise InvalidRequestError("model.runner: this engine generates (runner generate); embeddings and scores "
-                                      "need an engine started with --runner pooling")
+            raise InvalidRequestError(NOT_A_POOLING_ENGINE)
         if params.dimensions is not None:
             limit = info.get("max_dimensions")
             if limit is None:
