@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -77,41 +76,28 @@ class PagedEmbedder:
 def served(args, prompts: list[list[int]], model_dir: str) -> dict:
     """Start ``paged serve --runner pooling``, then ``benchmarks/serve.py --endpoint /v1/embeddings``
     over the same prompt lengths (its own seeded token ids)."""
-    sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-    from helpers.server import free_port, wait_for
+    import asyncio
+    import tempfile
 
-    import httpx
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+    from helpers.server import free_port, serve  # the tests' launcher: start, wait for /health, SIGTERM
+
+    import serve as bench_serve  # benchmarks/serve.py
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "paged.core.cli", "serve", "--model", model_dir, "--runner",
-                             "pooling", "--port", str(port), "-q"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        def up() -> bool:
-            try:
-                return httpx.get(url + "/health").status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for(up, 300, "the server up")
-        import serve as bench_serve  # benchmarks/serve.py
-
+    with tempfile.TemporaryDirectory() as tmp, \
+            serve(["--model", model_dir, "--runner", "pooling", "--port", str(port), "-q"], Path(tmp), port) as server:
         results = []
         for k in range(args.rounds):
             ns = bench_serve.build_parser().parse_args([
-                "--base-url", url, "--endpoint", "/v1/embeddings", "--num-prompts", str(len(prompts)),
+                "--base-url", server.url, "--endpoint", "/v1/embeddings", "--num-prompts", str(len(prompts)),
                 "--batch-size", str(args.batch_size), "--max-concurrency", str(args.concurrency),
                 "--input-len", str((args.min_len + args.max_len) // 2),
                 "--range-ratio", str((args.max_len - args.min_len) / (args.min_len + args.max_len)),
                 "--seed", str(args.seed + 1 + k)])  # new ids each round: no prefix-cache hit
-            import asyncio
-
             results.append(asyncio.run(bench_serve.run(ns)))
-        return {"tok_s": float(np.median([r["total_input_tokens"] / r["duration_s"] for r in results])),
-                "failed": sum(r["failed_requests"] for r in results)}
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+    return {"tok_s": float(np.median([r["total_input_tokens"] / r["duration_s"] for r in results])),
+            "failed": sum(r["failed_requests"] for r in results)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -408,6 +408,7 @@ class ModelRunner:
         sample_requests = []
         draft_logits_rows: list[int] | None = None  # with drafts: every logits row, in order
         pool_items: list = []
+        wants_prompt_logprobs: list[int] = []  # indices of requests still owed prompt logprobs
         classify = self.pooling is not None and self.pooling.classifier_token_ids is not None
         for i, s in enumerate(order):
             request = s.request
@@ -424,6 +425,8 @@ class ModelRunner:
                     draft_logits_rows = []
             else:
                 token_ids.extend(request.all_token_ids[start : start + n])
+            if request.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:  # (a 1-token chunk too)
+                wants_prompt_logprobs.append(i)
             if request.pooling_params is not None:  # never sampled: pooled when its prompt is done
                 pool_items.append((s, i))
                 if s.is_sampled and classify:
@@ -468,10 +471,9 @@ class ModelRunner:
             inputs.num_draft_rows = num_draft_rows
         prompt_groups = []
         prompt_rows: list[np.ndarray] = []
-        for i, s in enumerate(order):
+        for i in wants_prompt_logprobs:
+            s = order[i]
             done = s.request.prompt_logprobs
-            if done is None:
-                continue
             # logits at position p give prompt token p + 1's logprob; those not made yet (a
             # request that wants them never starts past them: no prefix-cache hit)
             start = s.num_computed_tokens

@@ -142,7 +142,9 @@ def pooled_output(raw: bytes, normalize: bool | None, dimensions: int | None, in
         return PoolingOutput(probs.astype(np.float32), float(probs[-1]))
     if dimensions is not None:
         vector = vector[:dimensions]
-    if normalize if normalize is not None else (info.get("normalize", True) or dimensions is not None):
+    if normalize is None:  # the engine's default; a truncated Matryoshka vector is renormalised
+        normalize = info.get("normalize", True) or dimensions is not None
+    if normalize:
         norm = float(np.linalg.norm(vector))
         if norm > 0:
             vector = vector / norm

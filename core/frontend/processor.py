@@ -183,8 +183,8 @@ class InputProcessor:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority: invalid value {priority!r}; must be an integer")
         check_request_metadata(tenant, deadline_s)
-        info_ = self.info
-        check_request_fits(len(token_ids), 1, info_.max_model_len, info_.num_blocks, info_.block_size)
+        model = self.info
+        check_request_fits(len(token_ids), 1, model.max_model_len, model.num_blocks, model.block_size)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         deadline = None if deadline_s is None else arrival_time + float(deadline_s)
         state = RequestState(request_id, text, token_ids, output_kind)

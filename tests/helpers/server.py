@@ -141,3 +141,14 @@ def assert_health_kept_answering(latencies: list[float], stall_s: float) -> None
     ordered = sorted(latencies)
     median, worst = ordered[len(ordered) // 2], ordered[-1]
     assert median < 0.1 and worst < stall_s / 2, f"median {median:.3f} s, slowest {ordered[-5:]}"
+
+
+@contextmanager
+def serve_default_model(default_model_dir: str, tmp: Path, *extra: str):
+    """``paged serve`` of the default model as the HF-reference tests need it (float32, the torch
+    backend, on the CPU; API_KEY; -q) on a free port, with ``extra`` flags."""
+    port = free_port()
+    args = ["--model", default_model_dir, "--device", "cpu", "--dtype", "float32", "--attention", "torch",
+            "--port", str(port), "--api-key", API_KEY, "-q", *extra]
+    with serve(args, tmp, port) as server:
+        yield server

@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 
-from helpers.server import API_KEY, free_port, serve, wait_for
+from helpers.server import API_KEY, serve_default_model, wait_for
 
 pytestmark = pytest.mark.slow
 DOCS = ["Paris is the capital of France.", "Bananas are yellow and sweet.", "The Eiffel Tower stands in Paris.",
@@ -24,10 +24,7 @@ QUERY = "Which city is the capital of France?"
 
 @pytest.fixture(scope="module")
 def server(default_model_dir, tmp_path_factory):
-    port = free_port()
-    args = ["--model", default_model_dir, "--device", "cpu", "--dtype", "float32", "--attention", "torch",
-            "--runner", "pooling", "--port", str(port), "--api-key", API_KEY, "--served-model-name", "emb", "-q"]
-    with serve(args, tmp_path_factory.mktemp("srv"), port) as s:
+    with serve_default_model(default_model_dir, tmp_path_factory.mktemp("srv"), "--runner", "pooling", "--served-model-name", "emb") as s:
         yield s
 
 

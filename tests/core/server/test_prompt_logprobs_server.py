@@ -9,7 +9,7 @@ import openai
 import pytest
 import torch
 
-from helpers.server import API_KEY, free_port, serve
+from helpers.server import API_KEY, serve_default_model
 
 pytestmark = pytest.mark.slow
 PROMPT = "The quick brown fox jumps over the lazy dog because"
@@ -17,10 +17,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog because"
 
 @pytest.fixture(scope="module")
 def server(default_model_dir, tmp_path_factory):
-    port = free_port()
-    args = ["--model", default_model_dir, "--device", "cpu", "--dtype", "float32", "--attention", "torch",
-            "--port", str(port), "--api-key", API_KEY, "--served-model-name", "m", "-q"]
-    with serve(args, tmp_path_factory.mktemp("srv"), port) as s:
+    with serve_default_model(default_model_dir, tmp_path_factory.mktemp("srv"), "--served-model-name", "m") as s:
         yield s
 
 
