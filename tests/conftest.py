@@ -55,7 +55,7 @@ SLOWEST_FIRST = [  # seconds a unit took on its worker (`pytest -v`, both worker
     "tests/core/engine/test_tensor_parallel.py",  # 100
     "tests/models/test_qwen3_mistral_phi3.py",  # 85
     "tests/e2e/test_moe_engine.py",  # 70
-    "tests/e2e/test_readme.py::test_readme_bash_block_runs[paged-8]",  # 37, the lab block
+    "tests/e2e/test_readme.py::test_readme_bash_block_runs[paged-11]",  # 37, the lab block (ids count the blocks: renumber when one is added above it)
     "tests/e2e/test_readme.py",  # 65: the Python blocks and the inline commands
     "tests/core/server/test_server.py",  # 65
     "tests/core/engine/test_pooling.py",  # 65 (alone: 88 with another worker's suite running)
@@ -65,6 +65,7 @@ SLOWEST_FIRST = [  # seconds a unit took on its worker (`pytest -v`, both worker
     "tests/core/server/test_structured.py",  # 45
     "tests/core/server/test_embeddings_server.py",  # 45
     "tests/core/server/test_prompt_logprobs_server.py",  # 35
+    "tests/core/server/test_classify_server.py",  # 25
     "tests/e2e/test_plugin_contracts.py",  # 40
     "tests/core/test_structured_output.py",  # 40
     "tests/core/engine/test_kv_cache_stateful.py",  # 38
@@ -77,6 +78,7 @@ SLOWEST_FIRST = [  # seconds a unit took on its worker (`pytest -v`, both worker
     "tests/plugins/test_quantization.py",  # 18
     "tests/e2e/test_gpt2_plugin.py",  # 17
     "tests/core/engine/test_prompt_logprobs.py",  # 17
+    "tests/core/engine/test_classification_head.py",  # 17
     "tests/core/server/test_spec_decode_server.py",  # 16
     "tests/core/test_registry.py",  # 15
     "tests/core/engine/test_compiled_step.py",  # 15

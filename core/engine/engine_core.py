@@ -80,7 +80,8 @@ class EngineCore:
         speculative = self._resolve_proposer(config, registry)
         # The model's settings are settled (and checked) before any rank starts or loads weights.
         self.model_config = resolve_model(config, registry, self.device)
-        pooling = resolve_pooling(config, registry, str(self.model_config.model_dir), self.model_config.hf_config)
+        pooling = resolve_pooling(config, registry, str(self.model_config.model_dir), self.model_config.hf_config,
+                                  self.model_config.classification_head)
         configure_cpu_threads(config, self.device)
         # Tensor parallelism: this process becomes rank 0 (the other ranks start or join here).
         self.tp_ranks = TensorParallelRanks.start(config, self.device)
@@ -120,11 +121,11 @@ class EngineCore:
         )
         self.pooling = pooling
         if pooling is not None:
-            pooling.build(self.model_config)
+            pooling.build(self.model_config, self.device)
             self.runner.pooling = pooling
             self.model_info.pooling = pooling.info()
-            logger.info("pooling runner: %s%s", pooling.name, f" of tokens {pooling.classifier_tokens}"
-                        if pooling.classifier_tokens else f", normalize {str(pooling.normalize).lower()}")
+            logger.info("pooling runner: %s%s", pooling.name, f" ({pooling.activation} over {pooling.labels})"
+                        if pooling.labels else f", normalize {str(pooling.normalize).lower()}")
         spec, options = structured_output
         self.structured_output = StructuredOutputManager(
             spec, options, self.model_info.tokenizer_dir or self.model_info.model_dir, self.model_config.vocab_size,
@@ -182,7 +183,7 @@ class EngineCore:
             plugin_code("policy", plugins.policy.name, owner(("policies", plugins.policy.name)), self.scheduler.policy),
             plugin_code("attention backend", plugins.attention.name, owner(("attention_backends", plugins.attention.name)),
                         plugins.attention.factory, self.runner.backend),
-            plugin_code("model", model.architecture, owner(("models", model.architecture)), model.spec.factory,
+            plugin_code("model", model.architecture, owner(("models", model.spec.architecture)), model.spec.factory,
                         self.runner.model),
         ]
         quantizer = getattr(self.runner, "quantizer", None)

@@ -41,7 +41,7 @@ from paged.core.config import EngineConfig, ResolvedPlugins
 from paged.core.engine.compiled_step import CompiledForward, OpaqueAttention
 from paged.core.engine.distributed import get_tp, shard_heads
 from paged.core.engine.input_batch import InputBatch
-from paged.core.engine.pooling import PoolingRows
+from paged.core.engine.pooling import PoolingRows, is_head_weight
 from paged.core.utils import cdiv
 from paged.core.engine.sampler import Sampler, SamplerOutput, token_logprobs
 from paged.core.engine.spec_decode import DraftRow, accepted_tokens, draft_rows
@@ -142,7 +142,8 @@ class ModelRunner:
         compile_steps = config.model.compile and self._can_compile()
         # Compiled, the model holds an OpaqueAttention: attention through a custom op dynamo does not trace.
         model_backend = OpaqueAttention(self.backend) if compile_steps else self.backend
-        self.model = build_model(model.model_dir, model.hf_config, model.spec.factory, model_backend, self.dtype, device)
+        self.model = build_model(model.model_dir, model.hf_config, model.spec.factory, model_backend, self.dtype, device,
+                                 skip_weights=is_head_weight if model.classification_head else None)
         # every layer windowed: the KV manager frees the blocks out of the largest window
         self.kv_sliding_window = kv_sliding_window(self.model, num_layers)
         self._quantize(config, registry, device)
@@ -343,8 +344,8 @@ class ModelRunner:
 
     def _pool(self, items: list, inputs: StepInputs, hidden: torch.Tensor, logits: torch.Tensor | None) -> dict[str, bytes]:
         """Keep the rows an every-token pooler reads; pool the requests whose prompt is done: the
-        pooler once for all of them, or the classifier tokens' logits (the logits rows are exactly
-        those requests, in order)."""
+        pooler once for all of them, the classifier tokens' logits (the logits rows are exactly
+        those requests, in order), or the checkpoint's score head once for all of them."""
         setup = self.pooling
         keep_all = setup.needs_all_tokens
         qsl = inputs.query_start_loc
@@ -361,6 +362,8 @@ class ModelRunner:
             return {}
         if setup.classifier_token_ids is not None:
             vectors = list(logits[:, setup.classifier_token_ids].float())
+        elif setup.head_weight is not None:  # the checkpoint's score head on the last tokens' states
+            vectors = list(torch.nn.functional.linear(torch.cat(ready_rows), setup.head_weight, setup.head_bias))
         else:
             vectors = setup.pooler.pool(ready_rows)
             if len(vectors) != len(ready_ids) or any(not isinstance(v, torch.Tensor) or v.dim() != 1 for v in vectors):

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from paged.core.errors import ConfigError
+from paged.core.errors import ConfigError, ModelLoadError
 from paged.core.pooling import PoolerContext, checkpoint_pooling
 
 
@@ -24,35 +24,54 @@ NOT_A_POOLING_ENGINE = ("model.runner: this engine generates (runner generate); 
 NOT_A_GENERATING_ENGINE = ("model.runner: this engine pools (runner pooling: embeddings, /score, /rerank); "
                            "completions and chat need an engine started with --runner generate")
 
+HEAD_WEIGHTS = ("score.weight", "score.bias")  # a *ForSequenceClassification checkpoint's head
+
+
+def is_head_weight(name: str) -> bool:
+    return name in HEAD_WEIGHTS
+
+
+# a sentence-transformers CrossEncoder's activation (config.json) -> the front-end's name for it
+_CROSS_ENCODER_ACTIVATIONS = {"Sigmoid": "sigmoid", "Identity": "none", "Softmax": "softmax", "Tanh": "tanh"}
+
 
 @dataclass
 class PoolingSetup:
     """What the pooling runner runs (``build`` makes the pooler and finds the classifier's ids)."""
 
-    name: str  # the pooler's name, or "classifier"
+    name: str  # the pooler's name, "classifier" (tokens' logits) or "classify" (the checkpoint's head)
     spec: Any  # PoolerSpec; None for a classifier
     options: Any
     normalize: bool
     max_dimensions: int | None
     classifier_tokens: list[str] | None
     score_template: str = "{query}\n{document}"
+    classification_head: bool = False
     pooler: Any = None
     classifier_token_ids: list[int] | None = None
+    head_weight: torch.Tensor | None = None  # [num_labels, hidden] float32
+    head_bias: torch.Tensor | None = None
+    labels: list[str] | None = None  # a classifier's: the head's id2label, or the listed tokens
+    activation: str | None = None  # logits -> probabilities: sigmoid, softmax, tanh or none
 
     @property
     def needs_all_tokens(self) -> bool:
         return self.pooler is not None and bool(self.pooler.needs_all_tokens)
 
     def info(self) -> dict[str, Any]:
-        """For the front-ends (``ModelInfo.pooling``)."""
+        """For the front-ends (``ModelInfo.pooling``); ``labels`` marks a classifier."""
         return {"pooler": self.name, "normalize": self.normalize, "max_dimensions": self.max_dimensions,
-                "classifier_tokens": self.classifier_tokens, "score_template": self.score_template}
+                "classifier_tokens": self.classifier_tokens, "score_template": self.score_template,
+                "labels": self.labels, "activation": self.activation}
 
-    def build(self, model_config) -> None:
-        """Make the pooler (``spec.factory(options, context)``), or look up the classifier's token ids
-        in the tokenizer: each listed word must be one token."""
+    def build(self, model_config, device: torch.device | str = "cpu") -> None:
+        """Make the pooler (``spec.factory(options, context)``), read the checkpoint's head, or
+        look up the classifier's token ids in the tokenizer: each listed word must be one token."""
         hf = model_config.hf_config
         hidden = int(getattr(hf, "hidden_size", 0) or getattr(getattr(hf, "text_config", None), "hidden_size", 0))
+        if self.classification_head:
+            self._read_head(model_config.model_dir, hf, hidden, device)
+            return
         if self.classifier_tokens is None:
             self.pooler = self.spec.factory(self.options, PoolerContext(hidden, str(model_config.model_dir), hf))
             return
@@ -67,11 +86,51 @@ class PoolingSetup:
                                   "in this model's tokenizer; each entry must be exactly one token")
             ids.extend(token_ids)
         self.classifier_token_ids = ids
+        self.labels = list(self.classifier_tokens)
+        self.activation = "sigmoid" if len(ids) == 1 else "softmax"
+
+    def _read_head(self, model_dir, hf_config: Any, hidden: int, device) -> None:
+        from safetensors import safe_open
+
+        from paged.core.loading.loader import safetensors_files
+
+        found: dict[str, torch.Tensor] = {}
+        for path in safetensors_files(model_dir):
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in HEAD_WEIGHTS:
+                    if name in f.keys():
+                        found[name] = f.get_tensor(name)
+        weight = found.get("score.weight")
+        if weight is None or weight.dim() != 2 or weight.shape[1] != hidden:
+            raise ModelLoadError(f"model: {str(model_dir)!r} is a sequence classifier but its checkpoint has "
+                                 f"{'no score.weight' if weight is None else f'score.weight of {tuple(weight.shape)}'}; "
+                                 f"expected [num_labels, {hidden}]")
+        num_labels = weight.shape[0]
+        self.head_weight = weight.to(device, torch.float32)
+        bias = found.get("score.bias")
+        self.head_bias = None if bias is None else bias.to(device, torch.float32)
+        names = getattr(hf_config, "id2label", None) or {}
+        self.labels = [str(names.get(i, names.get(str(i), f"LABEL_{i}"))) for i in range(num_labels)]
+        self.activation = _head_activation(hf_config, num_labels)
 
 
-def resolve_pooling(config, registry, model_dir: str, hf_config: Any) -> PoolingSetup | None:
+def _head_activation(hf_config: Any, num_labels: int) -> str:
+    """As HF's pipelines and sentence-transformers' CrossEncoder read a head: the CrossEncoder's
+    configured activation, else sigmoid for one label or multi-label problems, else softmax."""
+    cross_encoder = getattr(hf_config, "sentence_transformers", None)
+    named = (cross_encoder or {}).get("activation_fn") if isinstance(cross_encoder, dict) else None
+    named = named or getattr(hf_config, "sbert_ce_default_activation_function", None)
+    if isinstance(named, str) and named.rpartition(".")[2] in _CROSS_ENCODER_ACTIVATIONS:
+        return _CROSS_ENCODER_ACTIVATIONS[named.rpartition(".")[2]]
+    if num_labels == 1 or getattr(hf_config, "problem_type", None) == "multi_label_classification":
+        return "sigmoid"
+    return "softmax"
+
+
+def resolve_pooling(config, registry, model_dir: str, hf_config: Any,
+                    classification_head: bool = False) -> PoolingSetup | None:
     """``model.runner: pooling``'s settings, checked (plugin names and options too); None for the
-    generate runner."""
+    generate runner. ``classification_head``: the checkpoint's own head scores."""
     from paged.core.config import validate_options
 
     if config.model.runner != "pooling":
@@ -91,6 +150,15 @@ def resolve_pooling(config, registry, model_dir: str, hf_config: Any) -> Pooling
             max_dimensions = max(int(d) for d in dims)
         elif getattr(hf_config, "is_matryoshka", False):
             max_dimensions = int(getattr(hf_config, "hidden_size", 0)) or None
+    if classification_head:
+        for field, value, default in (("pooler", settings.pooler, "auto"),
+                                      ("classifier_from_tokens", settings.classifier_from_tokens, None)):
+            if value != default:
+                raise ConfigError(f"pooling.{field}: {value!r}, but this checkpoint is a sequence classifier (its "
+                                  f"architectures: {getattr(hf_config, 'architectures', None)}): its own score head "
+                                  f"scores; leave pooling.{field} unset")
+        return PoolingSetup("classify", None, None, normalize, None, None, settings.score_template,
+                            classification_head=True)
     if settings.classifier_from_tokens is not None:
         if settings.pooler not in ("auto", "last"):
             raise ConfigError(f"pooling.pooler: {settings.pooler!r} cannot be combined with pooling.classifier_from_tokens "

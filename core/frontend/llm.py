@@ -12,7 +12,7 @@ from paged.core.config import EngineConfig, Flag, config_flags, load_config
 from paged.core.frontend.llm_engine import LLMEngine
 from paged.core.errors import ConfigError, EngineError, InvalidRequestError
 from paged.core.frontend.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput, RequestOutputKind
-from paged.core.frontend.scoring import classifier_prompts, cosine_scores, pair_up
+from paged.core.frontend.scoring import NOT_A_CLASSIFIER, classifier_prompts, cosine_scores, pair_up
 from paged.core.frontend.tools import (calls_from_constrained, check_tools, model_type, tool_choice_mode,
                                        tool_constraint, tool_parser_for)
 from paged.core.pooling_params import PoolingParams
@@ -205,6 +205,16 @@ class LLM:
               use_tqdm: bool = True) -> list[PoolingRequestOutput]:
         """Embeddings (``outputs.embedding``, a list of floats), as vLLM's ``LLM.embed``."""
         return self.encode(prompts, pooling_params, use_tqdm=use_tqdm)
+
+    def classify(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]], *,
+                 use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """Each prompt's label probabilities (``outputs.probs``, in the order of
+        ``model_info.pooling["labels"]``), as vLLM's ``LLM.classify``: needs a classifier (a
+        ``*ForSequenceClassification`` checkpoint, or ``pooling.classifier_from_tokens``)."""
+        info = self.engine.model_info.pooling or {}
+        if info and not info.get("labels"):
+            raise InvalidRequestError(NOT_A_CLASSIFIER)
+        return self.encode(prompts, use_tqdm=use_tqdm)
 
     def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], *,
               use_tqdm: bool = True) -> list[PoolingRequestOutput]:

@@ -101,14 +101,20 @@ class RequestOutput:
 @dataclass
 class PoolingOutput:
     """A pooling request's vector (float32), after ``normalize`` and ``dimensions``. For a
-    classifier (``pooling.classifier_from_tokens``) ``data`` holds the listed tokens' softmax
-    probabilities and ``score`` the last one's."""
+    classifier (the checkpoint's score head, or ``pooling.classifier_from_tokens``) ``data``
+    holds the labels' probabilities (the head's activation applied) and ``score`` the last
+    label's: a one-label cross-encoder's relevance, or "yes" of ``no,yes``."""
 
     data: np.ndarray
     score: float | None = None
 
     @property
     def embedding(self) -> list[float]:
+        return self.data.tolist()
+
+    @property
+    def probs(self) -> list[float]:
+        """A classifier's label probabilities (vLLM's ``ClassificationOutput.probs``)."""
         return self.data.tolist()
 
 
@@ -130,16 +136,14 @@ class PoolingRequestOutput:
 
 def pooled_output(raw: bytes, normalize: bool | None, dimensions: int | None, info: dict) -> PoolingOutput:
     """The engine's raw vector as the request asked for it: a classifier's logits become
-    probabilities; an embedding keeps its first ``dimensions`` values and is L2-normalised when
-    ``normalize`` (None: the engine's ``pooling.normalize``) or ``dimensions`` says so."""
-    vector = np.frombuffer(raw, dtype="<f4").astype(np.float32)
-    if info.get("classifier_tokens"):
-        if len(vector) == 1:
-            probs = 1.0 / (1.0 + np.exp(-vector))
-        else:
-            exp = np.exp(vector - vector.max())
-            probs = exp / exp.sum()
-        return PoolingOutput(probs.astype(np.float32), float(probs[-1]))
+    probabilities (``info["activation"]``); an embedding keeps its first ``dimensions`` values and
+    is L2-normalised when ``normalize`` (None: the engine's ``pooling.normalize``) or
+    ``dimensions`` says so."""
+    vector = np.frombuffer(raw, dtype="<f4").astype(np.float64)
+    if info.get("labels"):
+        probs = _ACTIVATIONS[info.get("activation") or "softmax"](vector).astype(np.float32)
+        return PoolingOutput(probs, float(probs[-1]))
+    vector = vector.astype(np.float32)
     if dimensions is not None:
         vector = vector[:dimensions]
     if normalize is None:  # the engine's default; a truncated Matryoshka vector is renormalised
@@ -149,3 +153,12 @@ def pooled_output(raw: bytes, normalize: bool | None, dimensions: int | None, in
         if norm > 0:
             vector = vector / norm
     return PoolingOutput(vector.astype(np.float32))
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    exp = np.exp(x - x.max())
+    return exp / exp.sum()
+
+
+_ACTIVATIONS = {"sigmoid": lambda x: 0.5 * (1.0 + np.tanh(0.5 * x)), "softmax": _softmax, "tanh": np.tanh,
+                "none": lambda x: x}

@@ -1,7 +1,7 @@
 """Scores of (query, document) pairs for ``LLM.score``, ``/score`` and ``/rerank``, the way vLLM
-scores: with a classifier (``pooling.classifier_from_tokens``) each pair is one prompt,
-``pooling.score_template`` with the two texts put in, and its score the classifier's
-probability; with an embedding model each text is embedded once and a pair's score is the
+scores: with a classifier (the checkpoint's score head, or ``pooling.classifier_from_tokens``)
+each pair is one prompt, ``pooling.score_template`` with the two texts put in, and its score
+the classifier's probability of the last label; with an embedding model each text is embedded once and a pair's score is the
 cosine similarity of the two embeddings."""
 
 from __future__ import annotations
@@ -12,6 +12,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from paged.core.errors import InvalidRequestError
+
+# what a classification request to an embedding model is told (LLM.classify, /classify)
+NOT_A_CLASSIFIER = ("model: this engine embeds (no classifier); classification needs a *ForSequenceClassification "
+                    "checkpoint or pooling.classifier_from_tokens")
 
 _PLACEHOLDER = re.compile(r"\{query\}|\{document\}")
 
@@ -41,7 +45,7 @@ def render_pair(template: str, query: str, document: str) -> str:
 
 def classifier_prompts(info: dict[str, Any], pairs: list[tuple[str, str]]) -> list[str] | None:
     """The prompts a classifier scores, or None for an embedding model (cosine similarity)."""
-    if not info.get("classifier_tokens"):
+    if not info.get("labels"):
         return None
     return [render_pair(info["score_template"], q, d) for q, d in pairs]
 

@@ -220,12 +220,17 @@ def build_model(
     backend: Any,
     dtype: torch.dtype,
     device: torch.device | str,
+    skip_weights: Callable[[str], bool] | None = None,
 ) -> Any:
-    """Construct the model directly on ``dtype``/``device``, load its weights, eval mode."""
+    """Construct the model directly on ``dtype``/``device``, load its weights, eval mode. The
+    checkpoint tensors ``skip_weights`` names are not the model's (a classifier's score head)."""
     start = time.perf_counter()
     with phase("load"):
         model = model_spec_factory(hf_config, backend, dtype, torch.device(device))
-        model.load_weights(iter_safetensors(model_dir))
+        weights = iter_safetensors(model_dir)
+        if skip_weights is not None:
+            weights = ((name, t) for name, t in weights if not skip_weights(name))
+        model.load_weights(weights)
         model.eval()
     logger.info(
         "loaded %s from %s (%s, %s) in %.2f s",

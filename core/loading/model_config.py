@@ -3,13 +3,16 @@
 ``resolve_model(config, registry, device)`` reads the directory's config.json (and
 generation_config.json), picks the architecture's ``ModelSpec``, asks the implementation to
 check the config and for its attention shape, and settles dtype, ``max_model_len``, EOS ids and
-the tokenizer directory. Everything downstream (the model runner, the engine core's
+the tokenizer directory. A ``XForSequenceClassification`` checkpoint no plugin registers runs as
+the registered ``XForCausalLM`` with its own ``score`` head instead of the LM head
+(``classification_head``; the pooling runner only, ``paged.core.engine.pooling``). Everything downstream (the model runner, the engine core's
 ``ModelInfo`` for the front-ends) receives this one object, so a config mistake is reported
 here, as ``ConfigError``/``ModelLoadError``, before seconds of weight loading.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +44,8 @@ class ResolvedModel:
     eos_token_ids: list[int]
     attention_shape: AttentionShape
     vocab_size: int
+    # a *ForSequenceClassification checkpoint: the causal LM's layers plus the checkpoint's score head
+    classification_head: bool = False
 
 
 def eos_token_ids(model_dir: str | Path, hf_config: Any = None) -> list[int]:
@@ -84,7 +89,15 @@ def resolve_model(config: EngineConfig, registry: Any, device: torch.device | st
     model_dir = resolve_model_dir(config.model.model, config.model.revision)
     hf_config = load_hf_config(model_dir)
     architecture = model_architecture(hf_config)
-    spec = registry.model(architecture)
+    spec, classification_head = _model_spec(registry, architecture)
+    if classification_head:
+        if config.model.runner != "pooling":
+            raise ConfigError(
+                f"model.runner: {config.model.runner!r}, but {str(model_dir)!r} is a sequence classifier "
+                f"(architectures [{architecture!r}]: a score head, no LM head); serve it with --runner pooling "
+                "(/classify, /score, /rerank)"
+            )
+        hf_config = _tied_embeddings(hf_config)
     if not _bundled(spec):  # a plugin's model sees the transformers config itself, as it always has
         hf_config = config_snapshot.real(hf_config)
     check = getattr(spec.factory, "check_config", None)
@@ -107,4 +120,26 @@ def resolve_model(config: EngineConfig, registry: Any, device: torch.device | st
         eos_token_ids=eos_token_ids(model_dir, hf_config),
         attention_shape=shape,
         vocab_size=int(vocab_size),
+        classification_head=classification_head,
     )
+
+
+CLASSIFICATION_SUFFIX = "ForSequenceClassification"
+
+
+def _model_spec(registry: Any, architecture: str) -> tuple[ModelSpec, bool]:
+    """The architecture's ModelSpec; for a ``XForSequenceClassification`` that no plugin
+    registers, ``XForCausalLM``'s, and True (its layers and weight names are the causal LM's)."""
+    if architecture.endswith(CLASSIFICATION_SUFFIX) and architecture not in registry.models:
+        causal = architecture[: -len(CLASSIFICATION_SUFFIX)] + "ForCausalLM"
+        if causal in registry.models:
+            return registry.model(causal), True
+    return registry.model(architecture), False
+
+
+def _tied_embeddings(hf_config: Any) -> Any:
+    """A copy of the config whose LM head shares the embedding matrix: a classifier's checkpoint
+    has no ``lm_head.weight``, and its logits are never computed (the score head is used)."""
+    tied = copy.deepcopy(config_snapshot.real(hf_config))
+    tied.tie_word_embeddings = True
+    return tied

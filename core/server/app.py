@@ -3,8 +3,8 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as server-sent
 events or not), ``POST /v1/responses`` with ``GET``/``DELETE /v1/responses/{id}`` and
 ``POST /v1/responses/{id}/cancel`` (``paged.core.server.responses``), ``POST /tokenize`` and
-``POST /detokenize`` (vLLM's shapes); with ``--runner pooling`` ``POST /v1/embeddings``, ``/score`` and
-``/rerank`` (``paged.core.server.pooling``); ``GET /v1/models``, ``GET /health`` (503 until the engine core is ready and
+``POST /detokenize`` (vLLM's shapes); with ``--runner pooling`` ``POST /v1/embeddings``, ``/score``,
+``/rerank`` and ``/classify`` (``paged.core.server.pooling``); ``GET /v1/models``, ``GET /health`` (503 until the engine core is ready and
 whenever it is dead), ``GET /metrics`` (Prometheus text), ``GET /version`` and
 ``GET /debug/engine`` (core pid, KV blocks free / total, running / waiting requests).
 When the engine core dies the server exits non-zero or restarts the engine
@@ -207,8 +207,15 @@ def build_app(config: EngineConfig, start_timeout: float = 600.0,
         tenant = tenant_header(request.headers.get(TENANT_HEADER))
         return await unless_disconnected(request, pooling.rerank(state, body, tenant))
 
+    async def classify_route(request: Request):
+        body = await read_json(request, config.server.max_body_bytes)
+        tenant = tenant_header(request.headers.get(TENANT_HEADER))
+        return await unless_disconnected(request, pooling.classify(state, body, tenant))
+
     for path in ("/score", "/v1/score"):
         app.add_api_route(path, score_route, methods=["POST"])
+    for path in ("/classify", "/v1/classify"):
+        app.add_api_route(path, classify_route, methods=["POST"])
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
         app.add_api_route(path, rerank_route, methods=["POST"])
 

@@ -3,9 +3,11 @@
 ``encoding_format`` float or base64, ``dimensions`` where the model has Matryoshka dimensions;
 vLLM's ``normalize`` and ``add_special_tokens`` extras), ``POST /score`` and ``/v1/score``
 (vLLM's: ``text_1`` against ``text_2``), and ``POST /rerank``, ``/v1/rerank``, ``/v2/rerank``
-(Jina's and Cohere's: ``query``, ``documents``, ``top_n``, ``return_documents``). A score is a
-classifier's probability or the cosine similarity of two embeddings
-(``paged.core.frontend.scoring``). Each input is one engine request; they run batched."""
+(Jina's and Cohere's: ``query``, ``documents``, ``top_n``, ``return_documents``), and
+``POST /classify`` and ``/v1/classify`` (vLLM's: ``input`` as for embeddings; each item's
+``label``, ``probs`` and ``num_classes``) for a classifier. A score is a classifier's
+probability or the cosine similarity of two embeddings (``paged.core.frontend.scoring``). Each
+input is one engine request; they run batched."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
 from paged.core.frontend.outputs import PoolingRequestOutput, RequestOutputKind
-from paged.core.frontend.scoring import classifier_prompts, cosine_scores, pair_up
+from paged.core.frontend.scoring import NOT_A_CLASSIFIER, classifier_prompts, cosine_scores, pair_up
 from paged.core.pooling_params import PoolingParams
 from paged.core.sampling_params import INT64_MAX, INT64_MIN
 from paged.core.server.errors import APIError, from_exception, invalid, rejected, shutting_down
@@ -37,6 +39,16 @@ class EmbeddingRequest(BaseModel):
     user: str | None = None
     # vLLM's extras
     normalize: bool | None = None
+    add_special_tokens: bool = True
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
+
+
+class ClassificationRequest(BaseModel):
+    model_config = STRICT_MODEL
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    user: str | None = None
+    # vLLM's extras
     add_special_tokens: bool = True
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
 
@@ -131,9 +143,10 @@ def _usage(outputs: list[PoolingRequestOutput]) -> dict[str, int]:
 async def embeddings(state: ServerState, body: Any, tenant: str | None = None) -> Response:
     try:
         req, llm = _pooling_engine(state, EmbeddingRequest, body)
-        if llm.model_info.pooling.get("classifier_tokens"):
-            raise invalid("model: this server scores with a classifier (pooling.classifier_from_tokens); it serves "
-                          "/score and /rerank, not embeddings", "model")
+        if llm.model_info.pooling.get("labels"):
+            raise invalid("model: this server runs a classifier (its labels: "
+                          f"{llm.model_info.pooling['labels']}); it serves /classify, /score and /rerank, not embeddings",
+                          "model")
         inputs = _inputs(req.input)
         _check_count(state, "input", len(inputs))
         params = PoolingParams(normalize=req.normalize, dimensions=req.dimensions)
@@ -148,6 +161,27 @@ async def embeddings(state: ServerState, body: Any, tenant: str | None = None) -
                      if req.encoding_format == "base64" else vector.tolist())
         data.append({"object": "embedding", "index": i, "embedding": embedding})
     return JSONResponse({"object": "list", "data": data, "model": state.served_model_name, "usage": _usage(outputs)})
+
+
+async def classify(state: ServerState, body: Any, tenant: str | None = None) -> Response:
+    try:
+        req, llm = _pooling_engine(state, ClassificationRequest, body)
+        labels = llm.model_info.pooling.get("labels")
+        if not labels:
+            raise invalid(NOT_A_CLASSIFIER, "model")
+        inputs = _inputs(req.input)
+        _check_count(state, "input", len(inputs))
+        outputs = await pool(state, llm, f"classify-{uuid.uuid4().hex}", inputs, PoolingParams(),
+                             req.add_special_tokens, req.priority, req.user or tenant)
+    except Exception as e:
+        return from_exception(e).response()
+    data = []
+    for i, out in enumerate(outputs):
+        probs = out.outputs.data
+        data.append({"index": i, "label": labels[int(probs.argmax())], "probs": probs.tolist(),
+                     "num_classes": len(probs)})
+    return JSONResponse({"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                         "model": state.served_model_name, "data": data, "usage": _usage(outputs)})
 
 
 async def _scores(state: ServerState, llm, pairs: list[tuple[str, str]], priority: int, tenant: str | None,

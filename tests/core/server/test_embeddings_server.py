@@ -6,15 +6,14 @@ transformers' final hidden states on the default model's weights (float32, last-
 from __future__ import annotations
 
 import base64
-import json
-import random
 
 import numpy as np
 import openai
 import pytest
 import torch
 
-from helpers.server import API_KEY, serve_default_model, wait_for
+from helpers.pooling_fuzz import fuzz_pooling_endpoints
+from helpers.server import API_KEY, serve_default_model
 
 pytestmark = pytest.mark.slow
 DOCS = ["Paris is the capital of France.", "Bananas are yellow and sweet.", "The Eiffel Tower stands in Paris.",
@@ -109,6 +108,7 @@ def test_rerank_and_score_order_as_brute_force_cosine(server, hf):
     ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": -1}, "top_n"),
     ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1"),
     ("/v1/completions", {"prompt": "hi"}, "model.runner"),
+    ("/classify", {"input": "hi"}, "model"),
 ])
 def test_bad_requests_are_400s_naming_the_field(server, path, body, field):
     r = server.post(path, body)
@@ -118,66 +118,13 @@ def test_bad_requests_are_400s_naming_the_field(server, path, body, field):
 
 
 # --- a seeded fuzz run over the pooling endpoints -------------------------------------------------
-def _value(rng, depth=0):
-    kind = rng.randrange(10)
-    if kind == 0:
-        return rng.choice([0, 1, -1, 3, 2**31, 2**63, -(2**63) - 1, 10**30])
-    if kind == 1:
-        return rng.choice([0.5, -0.1, 1e39, 1e300, 5e-324])
-    if kind == 2:
-        return "".join(chr(rng.randint(0x20, 0x2FF)) for _ in range(rng.randint(0, 30)))
-    if kind == 3:
-        return rng.choice([True, False, None])
-    if kind == 4 and depth < 3:
-        return [_value(rng, depth + 1) for _ in range(rng.randint(0, 4))]
-    if kind == 5 and depth < 3:
-        return {rng.choice(["text", "x", ""]): _value(rng, depth + 1)}
-    if kind == 6:
-        return [rng.randint(-5, 60000) for _ in range(rng.randint(0, 6))]
-    return rng.choice(["Hello", "Paris", "", " ", "\u0000", ["a", "b"], [[1, 2], [3]]])
-
-
-_POOLING_FIELDS = {
-    "/v1/embeddings": ["input", "encoding_format", "dimensions", "normalize", "add_special_tokens", "user", "priority",
-                       "bogus"],
-    "/score": ["text_1", "text_2", "priority", "bogus"],
-    "/v1/rerank": ["query", "documents", "top_n", "return_documents", "max_chunks_per_doc", "bogus"],
-}
-
-
 def test_seeded_fuzz_no_5xx_no_leak(server):
-    import asyncio
-
-    import httpx
-
-    rng = random.Random(20261202)
-    requests = []
-    for _ in range(150):
-        path = rng.choice(list(_POOLING_FIELDS))
-        body = {"input": "Hi"} if path == "/v1/embeddings" else (
-            {"text_1": "a", "text_2": ["b", "c"]} if path == "/score" else {"query": "q", "documents": ["a", "b"]})
-        for name in rng.sample(_POOLING_FIELDS[path], rng.randint(0, 3)):
-            body[name] = _value(rng)
-        requests.append((path, json.dumps(body).encode()))
-    failures, statuses = [], {}
-
-    async def main():
-        limit = asyncio.Semaphore(8)
-        headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
-        async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
-            async def one(path, content):
-                async with limit:
-                    r = await client.post(path, content=content, headers=headers)
-                statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
-                if r.status_code >= 500:
-                    failures.append(f"{path} {content[:200]!r}: {r.status_code} {r.text[:300]}")
-                elif r.status_code != 200 and set(r.json()["error"]) != {"message", "type", "param", "code"}:
-                    failures.append(f"{path}: error shape {r.text[:300]}")
-
-            await asyncio.gather(*[one(*req) for req in requests])
-
-    asyncio.run(main())
-    assert not failures, failures[:5]
+    statuses = fuzz_pooling_endpoints(server, {
+        "/v1/embeddings": ({"input": "Hi"}, ["input", "encoding_format", "dimensions", "normalize",
+                                             "add_special_tokens", "user", "priority", "bogus"]),
+        "/score": ({"text_1": "a", "text_2": ["b", "c"]}, ["text_1", "text_2", "priority", "bogus"]),
+        "/v1/rerank": ({"query": "q", "documents": ["a", "b"]},
+                       ["query", "documents", "top_n", "return_documents", "max_chunks_per_doc", "bogus"]),
+        "/classify": ({"input": "Hi"}, ["input", "add_special_tokens", "priority", "bogus"]),
+    }, seed=20261202)
     assert statuses.get(200, 0) >= 10 and statuses.get(400, 0) >= 10, statuses
-    wait_for(lambda: (d := server.debug())["front_end_unfinished_requests"] == 0
-             and d["core"]["num_free_blocks"] == d["core"]["num_blocks"], 30, "every block free")
