@@ -341,8 +341,11 @@ def readme_server(workdir):
 def test_readme_bash_block_runs(index, workdir):
     for command, out in run_block(BLOCKS[index], workdir):
         if command.text.startswith("curl"):
-            answer = json.loads(out)  # an answer (choices, embeddings, scores, results), not an error document
-            assert "error" not in answer and any(answer.get(k) for k in ("choices", "data", "results")), out
+            # an answer (choices, embeddings, scores, results, a response's output, tokens or text),
+            # not an error document (a response carries "error": null)
+            answer = json.loads(out)
+            assert answer.get("error") is None, out
+            assert any(answer.get(k) for k in ("choices", "data", "results", "output", "tokens", "prompt")), out
         if re.search(r"--json(\s|$)", command.text) and command.text.startswith("paged run"):
             assert json.loads(out)["requests"]
         if command.expect is not None:

@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+from helpers.endpoint_fuzz import fuzz_endpoints
 from helpers.server import API_KEY, assert_health_kept_answering, free_port, serve, wait_for, watch_health
 
 from paged.core.errors import InvalidRequestError
@@ -569,6 +570,21 @@ def test_seeded_fuzz_no_5xx_no_hang_no_leak(hserver):
     assert_health_kept_answering(latencies, stall_s=FUZZ_STALL_S)
     wait_for(lambda: _all_blocks_free(hserver), 30, "every request finished and every KV block free")
     assert hserver.get("/health").status_code == 200
+
+
+def test_seeded_fuzz_of_responses_and_tokenize_no_5xx_no_leak(hserver):
+    """The Responses API (create, streamed or not, with the stored-response fields), /tokenize and
+    /detokenize under random field values (``helpers.endpoint_fuzz``)."""
+    statuses = fuzz_endpoints(hserver, {
+        "/v1/responses": ({"input": "Hi", "max_output_tokens": 2},
+                          ["input", "instructions", "temperature", "top_p", "text", "tools", "tool_choice", "store",
+                           "previous_response_id", "stream", "metadata", "reasoning", "max_output_tokens", "bogus"]),
+        "/tokenize": ({"prompt": "Hi"}, ["prompt", "messages", "add_special_tokens", "return_token_strs",
+                                         "add_generation_prompt", "bogus"]),
+        "/detokenize": ({"tokens": [1, 2]}, ["tokens", "model", "bogus"]),
+    }, seed=20261204, count=120)
+    assert statuses.get(200, 0) >= 10 and statuses.get(400, 0) >= 10, statuses
+    assert _all_blocks_free(hserver)
 
 
 # --- last: graceful shutdown (ends the module's server) ---------------------------------------------

@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from helpers.pooling_fuzz import fuzz_pooling_endpoints
+from helpers.endpoint_fuzz import fuzz_endpoints
 from helpers.server import serve_default_model
 from helpers.tiny_classifier import hf_logits, save_llama_cross_encoder
 
@@ -78,7 +78,7 @@ def test_bad_requests_are_400s_naming_the_field(server, path, body, field):
 
 
 def test_seeded_fuzz_no_5xx_no_leak(server):
-    statuses = fuzz_pooling_endpoints(server, {
+    statuses = fuzz_endpoints(server, {
         "/classify": ({"input": "Hi"}, ["input", "add_special_tokens", "priority", "user", "bogus"]),
         "/score": ({"text_1": "a", "text_2": ["b", "c"]}, ["text_1", "text_2", "priority", "bogus"]),
         "/v1/rerank": ({"query": "q", "documents": ["a", "b"]}, ["query", "documents", "top_n", "return_documents"]),

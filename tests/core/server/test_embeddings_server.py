@@ -12,7 +12,7 @@ import openai
 import pytest
 import torch
 
-from helpers.pooling_fuzz import fuzz_pooling_endpoints
+from helpers.endpoint_fuzz import fuzz_endpoints
 from helpers.server import API_KEY, serve_default_model
 
 pytestmark = pytest.mark.slow
@@ -119,7 +119,7 @@ def test_bad_requests_are_400s_naming_the_field(server, path, body, field):
 
 # --- a seeded fuzz run over the pooling endpoints -------------------------------------------------
 def test_seeded_fuzz_no_5xx_no_leak(server):
-    statuses = fuzz_pooling_endpoints(server, {
+    statuses = fuzz_endpoints(server, {
         "/v1/embeddings": ({"input": "Hi"}, ["input", "encoding_format", "dimensions", "normalize",
                                              "add_special_tokens", "user", "priority", "bogus"]),
         "/score": ({"text_1": "a", "text_2": ["b", "c"]}, ["text_1", "text_2", "priority", "bogus"]),

@@ -1,6 +1,7 @@
-"""A seeded fuzz run over the pooling endpoints of a real server: random JSON values in each
-endpoint's fields (and a bogus one), sent 8 at a time; no 5xx, every error in the OpenAI shape,
-and afterwards no request left in the front-end and every KV block free."""
+"""A seeded fuzz run over some endpoints of a real server (the pooling ones, the Responses API,
+/tokenize): random JSON values in each endpoint's fields (and a bogus one), sent 8 at a time; no
+5xx, every error in the OpenAI shape, and afterwards no request left in the front-end and every
+KV block free."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def random_value(rng: random.Random, depth: int = 0):
     return rng.choice(["Hello", "Paris", "", " ", "\u0000", ["a", "b"], [[1, 2], [3]]])
 
 
-def fuzz_pooling_endpoints(server, endpoints: dict[str, tuple[dict, list[str]]], seed: int, count: int = 150,
+def fuzz_endpoints(server, endpoints: dict[str, tuple[dict, list[str]]], seed: int, count: int = 150,
                            ) -> dict[int, int]:
     """``endpoints``: path -> (a valid body, the fields to fill with random values). Returns the
     count of each status; raises AssertionError on a 5xx, a malformed error or a leak."""
