@@ -125,12 +125,17 @@ async def chat(state: ServerState, body: Any, tenant: str | None = None) -> Resp
     except Exception as e:
         return from_exception(e).response()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    # a forced tool call's output is JSON: no thinking block to take apart
-    thinks = state.reasoning_parser is not None and shaper.mode in ("none", "auto")
-    chat_format = ChatFormat(state.tokens, shaper, starts_in_reasoning(prompt) if thinks else None)
+    chat_format = ChatFormat(state.tokens, shaper, reasoning_start(state, shaper, prompt))
     return await respond(state, chat_format, f"chatcmpl-{uuid.uuid4().hex}", [prompt], params,
                          req.priority, False, req.stream, include_usage, state.config.server.chat_default_max_tokens,
                          tenant=req.user or tenant, deadline_s=req.deadline_s, llm=llm)
+
+
+def reasoning_start(state: ServerState, shaper: ToolCallShaper, prompt: str) -> bool | None:
+    """None when the output has no thinking block to take apart (no reasoning parser, or a
+    forced tool call, whose output is JSON), else whether the prompt left one open."""
+    thinks = state.reasoning_parser is not None and shaper.mode in ("none", "auto")
+    return starts_in_reasoning(prompt) if thinks else None
 
 
 async def prepare_chat(state: ServerState, req: ChatCompletionRequest, llm) -> tuple[str, Any, ToolCallShaper]:

@@ -6,10 +6,13 @@ message / ``function_call`` / ``function_call_output`` items) the messages after
 conversation of ``previous_response_id``, ``text.format`` the structured-output constraint,
 function ``tools`` and ``tool_choice`` chat's tools; it is then checked, rendered and run exactly as
 /v1/chat/completions would run it (``chat.prepare_chat``). The output is a ``message`` item with
-the text and one ``function_call`` item per tool call. Streamed, the official events come in
+the text and one ``function_call`` item per tool call, after a ``reasoning`` item (its text as
+``reasoning_text`` content, no summary) when the model thinks (``server.reasoning_parser``, as
+chat's ``reasoning_content``). Streamed, the official events come in
 order: ``response.created``, ``response.in_progress``, per item ``response.output_item.added`` ...
 ``response.output_item.done`` (text through ``response.content_part.added``,
-``response.output_text.delta`` / ``.done``, ``response.content_part.done``; calls through
+``response.output_text.delta`` / ``.done``, ``response.content_part.done``; reasoning through
+``response.reasoning_text.delta`` / ``.done``; calls through
 ``response.function_call_arguments.delta`` / ``.done``), then ``response.completed`` (or
 ``response.incomplete`` when ``max_output_tokens`` cut it, ``response.failed`` on an error).
 
@@ -18,7 +21,10 @@ Stored responses (``store``, default true) are kept in memory, the newest
 ``previous_response_id`` and GET. A response still running can be cancelled (its engine request
 is aborted; it ends ``cancelled``). Not supported, each refused with a 400 naming the field:
 ``background``, tools other than functions, input other than text.
-``reasoning`` is accepted (paged's bundled models emit no reasoning items).
+``reasoning`` (effort, summary) is accepted and echoed; it changes nothing (no summaries are
+written). A ``reasoning`` input item (a previous turn's) is not shown to the model again, as
+Qwen3's template drops earlier turns' thinking. ``usage.output_tokens_details.reasoning_tokens``
+counts the reasoning text as the tokenizer encodes it again.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Any, AsyncIterator, Literal
 
 import msgspec
@@ -33,7 +40,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from paged.core.frontend.outputs import RequestOutputKind
-from paged.core.server.chat import prepare_chat
+from paged.core.frontend.reasoning import ThinkParser
+from paged.core.server.chat import prepare_chat, reasoning_start
 from paged.core.server.errors import APIError, from_exception, invalid, rejection
 from paged.core.server.generation import accept, start
 from paged.core.server.protocol import STRICT_MODEL, ChatCompletionRequest, parse
@@ -223,6 +231,8 @@ def output_items(message: dict[str, Any], status: str = "completed") -> list[dic
     """A chat message (``ToolCallShaper.message``) as Responses output items (``status``: the
     message's, "incomplete" when max_output_tokens cut it)."""
     items: list[dict[str, Any]] = []
+    if message.get("reasoning"):
+        items.append(reasoning_item(message["reasoning"], status))
     if message.get("content"):
         items.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
                       "content": [{"type": "output_text", "text": message["content"], "annotations": [],
@@ -232,6 +242,11 @@ def output_items(message: dict[str, Any], status: str = "completed") -> list[dic
                       "name": call["function"]["name"], "arguments": call["function"]["arguments"],
                       "status": "completed"})
     return items
+
+
+def reasoning_item(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id or f"rs_{uuid.uuid4().hex}", "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}], "status": status}
 
 
 def response_object(req: ResponsesRequest, response_id: str, created: float, model: str, status: str,
@@ -250,9 +265,10 @@ def response_object(req: ResponsesRequest, response_id: str, created: float, mod
     }
 
 
-def _usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
+def _usage(prompt_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int = 0) -> dict[str, Any]:
     return {"input_tokens": prompt_tokens, "output_tokens": output_tokens, "total_tokens": prompt_tokens + output_tokens,
-            "input_tokens_details": {"cached_tokens": cached_tokens}, "output_tokens_details": {"reasoning_tokens": 0}}
+            "input_tokens_details": {"cached_tokens": cached_tokens},
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens}}
 
 
 # ---- the endpoints ---------------------------------------------------------------------------------
@@ -272,6 +288,7 @@ async def create(state: ServerState, store: ResponseStore, body: Any, tenant: st
                               "previous_response_id") from None
         chat_req, conversation = chat_request(req, history)
         prompt, params, shaper = await prepare_chat(state, chat_req, llm)
+        in_reasoning = reasoning_start(state, shaper, prompt)
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         streams = await start(state, llm, response_id, [prompt], params, req.priority, False, kind,
                               state.config.server.chat_default_max_tokens, req.user or tenant, None)
@@ -287,8 +304,10 @@ async def create(state: ServerState, store: ResponseStore, body: Any, tenant: st
         prompt_tokens = len(out.prompt_token_ids) if out is not None else 0
         cached = getattr(out.metrics, "num_cached_tokens", 0) if out is not None else 0
         item_status = "incomplete" if status in ("incomplete", "cancelled") else "completed"
+        reasoning_tokens = (len(state.tokens.tokenizer.encode(message["reasoning"], add_special_tokens=False))
+                            if message.get("reasoning") else 0)
         response = response_object(req, response_id, created, model, status, output_items(message, item_status),
-                                   _usage(prompt_tokens, output_tokens, cached), finish_reason)
+                                   _usage(prompt_tokens, output_tokens, cached, reasoning_tokens), finish_reason)
         if req.store:
             reply = {"role": "assistant", "content": message.get("content")}
             if message.get("tool_calls"):
@@ -304,7 +323,13 @@ async def create(state: ServerState, store: ResponseStore, body: Any, tenant: st
             if final is not None and (error := rejection([final])) is not None:
                 return error.response()
             c = final.outputs[0] if final is not None and final.outputs else None
+            reasoning = None
+            if c is not None and in_reasoning is not None:
+                reasoning, content = ThinkParser.split(c.text, in_reasoning)
+                c = replace(c, text=content)
             message = shaper.message(c)[0] if c is not None else {"content": None}
+            if reasoning:
+                message = {**message, "reasoning": reasoning}
             return JSONResponse(finish(message, c.finish_reason if c else "abort", final,
                                        len(c.token_ids) if c else 0))
         except Exception as e:
@@ -312,12 +337,12 @@ async def create(state: ServerState, store: ResponseStore, body: Any, tenant: st
         finally:
             store.running.pop(response_id, None)
             store.cancelled.discard(response_id)
-    return EventStream(_events(state, store, req, response_id, created, streams, shaper, finish),
+    return EventStream(_events(state, store, req, response_id, created, streams, shaper, finish, in_reasoning),
                        media_type="text/event-stream")
 
 
 async def _events(state: ServerState, store: ResponseStore, req: ResponsesRequest, response_id: str, created: float,
-                  streams: list, shaper, finish) -> AsyncIterator[bytes]:
+                  streams: list, shaper, finish, in_reasoning: bool | None) -> AsyncIterator[bytes]:
     """The streamed events (see the module docstring), numbered by ``sequence_number``."""
     seq = 0
     model = state.served_model_name
@@ -331,6 +356,9 @@ async def _events(state: ServerState, store: ResponseStore, req: ResponsesReques
     running = response_object(req, response_id, created, model, "in_progress", [], None)
     items: list[dict[str, Any]] = []  # the output items opened so far, in order
     text_item: dict[str, Any] | None = None  # the message item while text streams into it
+    thinker = ThinkParser(in_reasoning) if in_reasoning is not None else None
+    reasoning_parts: list[str] = []
+    thought: dict[str, Any] | None = None  # the reasoning item while reasoning streams into it
     calls: dict[int, dict[str, Any]] = {}  # tool call index -> its function_call item
     last = None
     finish_reason: str | None = "abort"  # until an output says otherwise (a cancel ends the stream early)
@@ -346,6 +374,21 @@ async def _events(state: ServerState, store: ResponseStore, req: ResponsesReques
                 output_tokens += len(c.new_token_ids)
                 if c.finished:
                     finish_reason = c.finish_reason
+                if thinker is not None:
+                    reasoning, content = thinker.feed(c.new_text)
+                    if c.finished:
+                        more_reasoning, more_content = thinker.finish()
+                        reasoning, content = reasoning + more_reasoning, content + more_content
+                    c = replace(c, new_text=content)
+                    if reasoning:
+                        if thought is None:
+                            thought = reasoning_item("", "in_progress")
+                            items.append(thought)
+                            yield event("response.output_item.added", output_index=len(items) - 1,
+                                        item={**thought, "content": []})
+                        reasoning_parts.append(reasoning)
+                        yield event("response.reasoning_text.delta", item_id=thought["id"],
+                                    output_index=items.index(thought), content_index=0, delta=reasoning)
                 delta = shaper.delta(0, c)[0] if shaper.active else ({"content": c.new_text} if c.new_text else {})
                 if delta.get("content"):
                     if text_item is None:
@@ -375,13 +418,18 @@ async def _events(state: ServerState, store: ResponseStore, req: ResponsesReques
                         yield event("response.function_call_arguments.delta", item_id=item["id"],
                                     output_index=items.index(item), delta=piece)
         text = "".join(text_item["text"]) if text_item is not None else ""
-        message: dict[str, Any] = {"content": text or None, "tool_calls": [
+        reasoning_text = "".join(reasoning_parts)
+        message: dict[str, Any] = {"content": text or None, "reasoning": reasoning_text or None, "tool_calls": [
             {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
             for item in calls.values()]}
         response = finish(message, finish_reason, last, output_tokens)
         # the streamed items, done: the final response lists these (same ids)
         for index, item in enumerate(items):
-            if item is text_item:
+            if item is thought:
+                item.update(reasoning_item(reasoning_text, "completed", item["id"]))
+                yield event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                            text=reasoning_text)
+            elif item is text_item:
                 part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
                 item.pop("text")
                 item.update(status="completed" if response["status"] == "completed" else "incomplete", content=[part])

@@ -139,3 +139,67 @@ def test_enable_thinking_reaches_the_template(qwen3_server):
 
     bad = _chat(qwen3_server, chat_template_kwargs={"add_generation_prompt": False})
     assert bad.status_code == 400 and "chat_template_kwargs" in bad.json()["error"]["message"], bad.text
+
+
+# Qwen3-Thinking-2507's way: the generation prompt leaves the block open, so the output starts
+# inside it and is reasoning until "</think>" (the random model never writes it: all reasoning).
+ALWAYS_THINKING_TEMPLATE = QWEN3_LIKE_TEMPLATE.replace(
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}", "<think>\n")
+
+
+@pytest.fixture(scope="module")
+def thinking_server(qwen3_server, tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3-always-thinking")
+    for f in Path(qwen3_server.model_dir).iterdir():
+        if f.is_file():
+            shutil.copy(f, path / f.name)
+    tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = ALWAYS_THINKING_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    port = free_port()
+    args = ["--model", str(path), "--device", "cpu", "--dtype", "float32", "--attention", "torch", "--host",
+            "127.0.0.1", "--port", str(port), "--api-key", API_KEY, "--num-kv-blocks", "64", "--served-model-name", "m", "-q"]
+    with serve(args, path, port) as server:
+        server.model_dir = path
+        yield server
+
+
+def test_responses_put_the_thinking_in_a_reasoning_item_final_and_streamed(thinking_server):
+    """Through the official client, whose types parse every event and item. The reference is chat
+    completions' reasoning_content for the same messages (greedy float32: the same tokens), and
+    reasoning_tokens is the reasoning text as HF's tokenizer encodes it."""
+    from openai import OpenAI
+    from transformers import AutoTokenizer
+
+    client = OpenAI(base_url=thinking_server.url + "/v1", api_key=API_KEY)
+    question, n = "What is 2 + 2?", 12
+    chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": question}], temperature=0,
+                                          max_tokens=n)
+    want = chat.choices[0].message.model_extra["reasoning_content"]
+    assert want and chat.choices[0].finish_reason == "length"
+
+    response = client.responses.create(model="m", input=question, temperature=0, max_output_tokens=n)
+    assert response.status == "incomplete" and response.output_text == ""
+    [item] = response.output  # all reasoning: no message item for an empty text
+    assert item.type == "reasoning" and item.summary == [] and item.status == "incomplete"
+    assert [(c.type, c.text) for c in item.content] == [("reasoning_text", want)]
+    tokenizer = AutoTokenizer.from_pretrained(thinking_server.model_dir)
+    details = response.usage.output_tokens_details
+    assert details.reasoning_tokens == len(tokenizer.encode(want, add_special_tokens=False)) > 0
+    assert response.usage.output_tokens == n
+
+    with client.responses.stream(model="m", input=question, temperature=0, max_output_tokens=n) as stream:
+        events = list(stream)
+    kinds = [e.type for e in events]
+    added = kinds.index("response.output_item.added")
+    assert events[added].item.type == "reasoning" and events[added].item.content == []
+    deltas = [e for e in events if e.type == "response.reasoning_text.delta"]
+    assert deltas and all(e.item_id == events[added].item.id and e.output_index == 0 for e in deltas)
+    assert added < kinds.index("response.reasoning_text.delta") < kinds.index("response.reasoning_text.done") \
+        < kinds.index("response.output_item.done") < kinds.index("response.incomplete")
+    assert "".join(e.delta for e in deltas) == want
+    [done] = [e for e in events if e.type == "response.reasoning_text.done"]
+    assert done.text == want
+    final = events[-1].response
+    assert [(i.type, i.id, i.content[0].text) for i in final.output] == [("reasoning", events[added].item.id, want)]
+    assert "response.output_text.delta" not in kinds
