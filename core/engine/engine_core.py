@@ -46,6 +46,10 @@ class ModelInfo:
     runner: str = "generate"  # model.runner
     # the pooling runner: pooler, normalize (the default), max_dimensions, classifier_tokens (or None)
     pooling: dict | None = None
+    # every layer's largest window (None: some layer attends to all) and the token budget:
+    # what a request needs of the cache (scheduler.check_request_fits)
+    sliding_window: int | None = None
+    max_num_batched_tokens: int = 0
 
 
 @dataclass
@@ -118,6 +122,8 @@ class EngineCore:
             block_size=config.cache.block_size,
             tokenizer_dir=str(self.model_config.tokenizer_dir),
             runner=config.model.runner,
+            sliding_window=self.kv_cache_manager.sliding_window,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         )
         self.pooling = pooling
         if pooling is not None:

@@ -155,7 +155,8 @@ class Scheduler:
     # --- requests in and out -----------------------------------------------------------
     def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Reject what could never run. Raises InvalidRequestError naming the limit."""
-        check_request_fits(num_prompt_tokens, max_tokens, self.max_model_len, self.kv.num_blocks, self.block_size)
+        check_request_fits(num_prompt_tokens, max_tokens, self.max_model_len, self.kv.num_blocks, self.block_size,
+                           self.kv.sliding_window, self.max_num_batched_tokens)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -579,10 +580,13 @@ class Scheduler:
 
 
 def check_request_fits(
-    num_prompt_tokens: int, max_tokens: int, max_model_len: int, num_blocks: int, block_size: int
+    num_prompt_tokens: int, max_tokens: int, max_model_len: int, num_blocks: int, block_size: int,
+    sliding_window: int | None = None, max_chunk_tokens: int = 0,
 ) -> None:
     """A request must fit max_model_len and, alone, the whole KV cache (front-ends call this
-    too, to reject early)."""
+    too, to reject early). With ``sliding_window`` (every layer windowed: the KV manager frees
+    what fell out of it) and ``max_chunk_tokens`` (the largest step, the token budget) a
+    request needs only the blocks of its window and one chunk (``blocks_needed_alone``)."""
     if num_prompt_tokens < 1:
         raise InvalidRequestError("prompt: must have at least one token")
     total = num_prompt_tokens + max_tokens
@@ -591,12 +595,27 @@ def check_request_fits(
             f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
             f"max_model_len ({max_model_len}); shorten the prompt or lower max_tokens"
         )
-    if cdiv(total, block_size) > num_blocks:
+    needed = blocks_needed_alone(total, block_size, sliding_window, max_chunk_tokens)
+    if needed > num_blocks:
+        held = (f" (the {sliding_window}-token sliding window and a {max_chunk_tokens}-token chunk need "
+                f"{needed} blocks)" if needed < cdiv(total, block_size) else "")
         raise InvalidRequestError(
             f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} can never fit in "
-            f"the KV cache ({num_blocks} blocks x {block_size} = {num_blocks * block_size} tokens); "
+            f"the KV cache ({num_blocks} blocks x {block_size} = {num_blocks * block_size} tokens){held}; "
             f"raise cache.kv_cache_memory_gib or lower max_tokens"
         )
+
+
+def blocks_needed_alone(num_tokens: int, block_size: int, sliding_window: int | None = None,
+                        max_chunk_tokens: int = 0) -> int:
+    """The most blocks a request of ``num_tokens`` ever holds at once when it runs alone. Without
+    a window: all of them. With one, a step of C tokens from position p reads positions
+    p - W + 1 .. p + C - 1 and the blocks before that window are freed first: W - 1 + C
+    positions, which straddle at most cdiv(W - 1 + C, block_size) + 1 blocks."""
+    full = cdiv(num_tokens, block_size)
+    if sliding_window is None or max_chunk_tokens <= 0:
+        return full
+    return min(full, cdiv(sliding_window - 1 + max_chunk_tokens, block_size) + 1)
 
 
 def _sort_key(request: Request) -> tuple:

@@ -141,7 +141,8 @@ class InputProcessor:
         if max_tokens is None:
             max_tokens = max(self.info.max_model_len - len(token_ids), 1)
         info = self.info
-        check_request_fits(len(token_ids), max_tokens, info.max_model_len, info.num_blocks, info.block_size)
+        check_request_fits(len(token_ids), max_tokens, info.max_model_len, info.num_blocks, info.block_size,
+                           info.sliding_window, info.max_num_batched_tokens)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         deadline = None if deadline_s is None else arrival_time + float(deadline_s)
         eos = self.info.eos_token_ids[0] if self.info.eos_token_ids else None
@@ -184,7 +185,8 @@ class InputProcessor:
             raise InvalidRequestError(f"priority: invalid value {priority!r}; must be an integer")
         check_request_metadata(tenant, deadline_s)
         model = self.info
-        check_request_fits(len(token_ids), 1, model.max_model_len, model.num_blocks, model.block_size)
+        check_request_fits(len(token_ids), 1, model.max_model_len, model.num_blocks, model.block_size,
+                           model.sliding_window, model.max_num_batched_tokens)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         deadline = None if deadline_s is None else arrival_time + float(deadline_s)
         state = RequestState(request_id, text, token_ids, output_kind)

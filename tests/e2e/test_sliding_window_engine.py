@@ -85,3 +85,36 @@ def test_greedy_tokens_match_hf_with_blocks_freed_behind_the_window(sliding_qwen
     assert max(blocks for _, _, blocks in held) < (33 + NEW_TOKENS) // BLOCK_SIZE
     assert kv.num_free_blocks == kv.num_blocks
     llm.shutdown()
+
+
+def test_a_request_longer_than_the_cache_runs_when_its_window_and_one_chunk_fit(sliding_qwen2):
+    """Every layer slides, so a request needs only its window and one step of blocks: with window
+    8, blocks of 4 and a 16-token budget, a step from position p reads p - 7 .. p + 15 (23
+    positions), at most cdiv(23, 4) + 1 = 7 blocks. A 33 + 32 = 65-token request (17 blocks) runs
+    in a 7-block cache, greedy-identical to HF; with 6 blocks it is refused up front."""
+    from paged.core.engine.scheduler import blocks_needed_alone
+    from paged.core.errors import InvalidRequestError
+
+    assert blocks_needed_alone(65, BLOCK_SIZE, WINDOW, 16) == 7
+    assert blocks_needed_alone(65, BLOCK_SIZE, None, 16) == 17 == blocks_needed_alone(65, BLOCK_SIZE, WINDOW, 0)
+    assert blocks_needed_alone(10, BLOCK_SIZE, WINDOW, 16) == 3  # a short request: all its blocks
+    hf, path = sliding_qwen2
+    prompt = torch.randint(100, 4000, (33,), generator=torch.Generator().manual_seed(9)).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                           do_sample=False, pad_token_id=2)[0, len(prompt):].tolist()
+    for num_blocks in (7, 6):
+        llm = LLM(str(path), device="cpu", dtype="float32", attention="torch", block_size=BLOCK_SIZE,
+                  enable_prefix_caching=True, max_num_batched_tokens=16, num_kv_blocks=num_blocks)
+        try:
+            assert llm.engine.kv_cache_manager.num_blocks == num_blocks
+            if num_blocks == 7:
+                [output] = llm.generate([prompt], params, use_tqdm=False)
+                assert output.outputs[0].token_ids == want
+            else:
+                with pytest.raises(InvalidRequestError, match=r"8-token sliding window and a 16-token chunk need 7 "
+                                                              r"blocks.*raise cache.kv_cache_memory_gib"):
+                    llm.generate([prompt], params, use_tqdm=False)
+        finally:
+            llm.shutdown()
