@@ -125,17 +125,24 @@ async def chat(state: ServerState, body: Any, tenant: str | None = None) -> Resp
     except Exception as e:
         return from_exception(e).response()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    chat_format = ChatFormat(state.tokens, shaper, reasoning_start(state, shaper, prompt))
+    chat_format = ChatFormat(state.tokens, shaper, reasoning_start(state, shaper, prompt, params))
     return await respond(state, chat_format, f"chatcmpl-{uuid.uuid4().hex}", [prompt], params,
                          req.priority, False, req.stream, include_usage, state.config.server.chat_default_max_tokens,
                          tenant=req.user or tenant, deadline_s=req.deadline_s, llm=llm)
 
 
-def reasoning_start(state: ServerState, shaper: ToolCallShaper, prompt: str) -> bool | None:
-    """None when the output has no thinking block to take apart (no reasoning parser, or a
-    forced tool call, whose output is JSON), else whether the prompt left one open."""
-    thinks = state.reasoning_parser is not None and shaper.mode in ("none", "auto")
-    return starts_in_reasoning(prompt) if thinks else None
+def reasoning_start(state: ServerState, shaper: ToolCallShaper, prompt: str, params: Any) -> bool | None:
+    """None when the output has no thinking block to take apart, else whether the prompt left one
+    open. None without a reasoning parser, for a forced tool call, and for a JSON constraint
+    (``json_schema``, ``json_object``): these constrain the output from its first token (not from
+    the end of the thinking, as vLLM's reasoning-aware structured outputs do), so it is all JSON,
+    content even where the prompt left a block open."""
+    if state.reasoning_parser is None or shaper.mode not in ("none", "auto"):
+        return None
+    constraint = params.structured_output
+    if constraint is not None and (constraint.json_schema is not None or constraint.json_object):
+        return None
+    return starts_in_reasoning(prompt)
 
 
 async def prepare_chat(state: ServerState, req: ChatCompletionRequest, llm) -> tuple[str, Any, ToolCallShaper]:

@@ -288,7 +288,7 @@ async def create(state: ServerState, store: ResponseStore, body: Any, tenant: st
                               "previous_response_id") from None
         chat_req, conversation = chat_request(req, history)
         prompt, params, shaper = await prepare_chat(state, chat_req, llm)
-        in_reasoning = reasoning_start(state, shaper, prompt)
+        in_reasoning = reasoning_start(state, shaper, prompt, params)
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         streams = await start(state, llm, response_id, [prompt], params, req.priority, False, kind,
                               state.config.server.chat_default_max_tokens, req.user or tenant, None)

@@ -203,3 +203,25 @@ def test_responses_put_the_thinking_in_a_reasoning_item_final_and_streamed(think
     final = events[-1].response
     assert [(i.type, i.id, i.content[0].text) for i in final.output] == [("reasoning", events[added].item.id, want)]
     assert "response.output_text.delta" not in kinds
+
+
+def test_a_json_constraint_makes_the_output_content_though_the_prompt_left_a_block_open(thinking_server):
+    """json_schema / json_object constrain from the first token: the output is the JSON, not the
+    thinking the prompt opened (chat and Responses alike)."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    reply = thinking_server.post("/v1/responses", {
+        "model": "m", "input": "What is 2 + 2?", "temperature": 0, "max_output_tokens": 40,
+        "text": {"format": {"type": "json_schema", "name": "answer", "schema": schema, "strict": True}}})
+    assert reply.status_code == 200, reply.text
+    output = reply.json()["output"]
+    assert [item["type"] for item in output] == ["message"], output
+    assert isinstance(json.loads(output[0]["content"][0]["text"])["n"], int)
+    assert reply.json()["usage"]["output_tokens_details"]["reasoning_tokens"] == 0
+
+    chat = thinking_server.post("/v1/chat/completions", {
+        "model": "m", "messages": [{"role": "user", "content": "What is 2 + 2?"}], "temperature": 0,
+        "max_tokens": 40, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}})
+    assert chat.status_code == 200, chat.text
+    message = chat.json()["choices"][0]["message"]
+    assert "reasoning_content" not in message and isinstance(json.loads(message["content"])["n"], int)
