@@ -38,6 +38,7 @@ from paged.core.engine.engine_core import ModelInfo
 from paged.core.ipc.client import EngineCoreClient
 from paged.core.ipc.messages import (
     AbortRequests,
+    AddRequests,
     CoreFailed,
     EngineDeadError,
     Outputs,
@@ -51,6 +52,7 @@ from paged.core.frontend.processor import InputProcessor, OutputProcessor, struc
 from paged.core.frontend.request_state import RequestState, SampleState
 from paged.core.frontend.stats_observer import StatsObserver
 from paged.core.frontend.stream import RequestStream
+from paged.core.pooling_params import PoolingParams
 from paged.core.sampling_params import SamplingParams
 
 logger = logging.getLogger("paged")
@@ -214,10 +216,7 @@ class AsyncLLM:
         stream = state.stream = RequestStream(request_id, self.abort)
         self.output_processor.add(state)
         try:
-            for request in requests:  # the core messages, sent as the input processor built them
-                core = 0 if self.router is None else self.router.route(
-                    request.request_id, request.prompt_token_ids, request.cache_salt)
-                await self.client.send(request, core)
+            await self._send_adds(requests)
         except BaseException:
             self.abort(request_id)
             raise
@@ -225,6 +224,58 @@ class AsyncLLM:
         if self.trace_recorder is not None and state.pooling is None:
             self.trace_recorder.add(request_id, params or SamplingParams(), priority, state.prompt)
         return stream
+
+    async def add_requests(
+        self,
+        request_ids: Sequence[str],
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams | PoolingParams | None = None,
+        priority: int = 0,
+        add_special_tokens: bool = True,
+        prompt_token_ids: Sequence[list[int]] | None = None,
+        tenant: str | None = None,
+        deadline_s: float | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+    ) -> list[RequestStream]:
+        """``add_request`` for several prompts with the same parameters (an embeddings call's
+        inputs), every one validated before any is sent, then sent in one message per core, so
+        the core's next step holds them all. One stream per prompt, in order."""
+        self._check_alive()
+        self._ensure_handler()
+        if len(set(request_ids)) != len(request_ids) or any(r in self.requests for r in request_ids):
+            raise InvalidRequestError(f"request_id: {list(request_ids)!r} repeats an id or one already in use")
+        params = params or SamplingParams()
+        prepared = [self.input_processor.process(
+            request_id, prompt, params, priority, None, None, add_special_tokens,
+            prompt_token_ids=None if prompt_token_ids is None else prompt_token_ids[i], tenant=tenant,
+            deadline_s=deadline_s, output_kind=output_kind,
+        ) for i, (request_id, prompt) in enumerate(zip(request_ids, prompts, strict=True))]
+        streams = []
+        for state, _ in prepared:
+            state.stream = RequestStream(state.request_id, self.abort)
+            self.output_processor.add(state)
+            streams.append(state.stream)
+        try:
+            await self._send_adds([request for _, requests in prepared for request in requests])
+        except BaseException:
+            for state, _ in prepared:
+                self.abort(state.request_id)
+            raise
+        for state, requests in prepared:
+            self.observer.prompt_tokens(len(state.prompt_token_ids) * len(requests))
+            if self.trace_recorder is not None and state.pooling is None:
+                self.trace_recorder.add(state.request_id, params, priority, state.prompt)
+        return streams
+
+    async def _send_adds(self, requests: list) -> None:
+        """The core messages, as the input processor built them: one message per core."""
+        by_core: dict[int, list] = {}
+        for request in requests:
+            core = 0 if self.router is None else self.router.route(
+                request.request_id, request.prompt_token_ids, request.cache_salt)
+            by_core.setdefault(core, []).append(request)
+        for core, batch in by_core.items():
+            await self.client.send(batch[0] if len(batch) == 1 else AddRequests(batch), core)
 
     async def generate(
         self,

@@ -50,6 +50,7 @@ from paged.core.errors import EngineError, PagedError, RequestRejectedError
 from paged.core.ipc.messages import (
     AbortRequests,
     AddRequest,
+    AddRequests,
     CoreFailed,
     Outputs,
     Ready,
@@ -128,16 +129,10 @@ class EngineCoreProc:
 
         core = self.core
         if isinstance(msg, AddRequest):
-            try:
-                core.add_request(msg)  # the core builds its Request from the decoded message
-                self.num_requests_added += 1
-            except RequestRejectedError as e:
-                self.out_q.put(RequestFailed(msg.request_id, str(e), invalid=False, http_status=e.http_status))
-            except PagedError as e:
-                self.out_q.put(RequestFailed(msg.request_id, str(e), invalid=isinstance(e, ValueError)))
-            except Exception as e:  # a bad request must not take the core down
-                logger.exception("core: add_request(%s) failed", msg.request_id)
-                self.out_q.put(RequestFailed(msg.request_id, f"{type(e).__name__}: {e}", invalid=False))
+            self._add(msg)
+        elif isinstance(msg, AddRequests):
+            for request in msg.requests:
+                self._add(request)
         elif isinstance(msg, AbortRequests):
             status = RequestStatus.FINISHED_STOPPED if msg.status == "stop" else RequestStatus.FINISHED_ABORTED
             core.abort_requests(msg.request_ids, status)
@@ -147,6 +142,18 @@ class EngineCoreProc:
                 self.out_q.put(UtilityResult(msg.call_id, result))
             except Exception as e:
                 self.out_q.put(UtilityResult(msg.call_id, None, f"{type(e).__name__}: {e}"))
+
+    def _add(self, msg: AddRequest) -> None:
+        try:
+            self.core.add_request(msg)  # the core builds its Request from the decoded message
+            self.num_requests_added += 1
+        except RequestRejectedError as e:
+            self.out_q.put(RequestFailed(msg.request_id, str(e), invalid=False, http_status=e.http_status))
+        except PagedError as e:
+            self.out_q.put(RequestFailed(msg.request_id, str(e), invalid=isinstance(e, ValueError)))
+        except Exception as e:  # a bad request must not take the core down
+            logger.exception("core: add_request(%s) failed", msg.request_id)
+            self.out_q.put(RequestFailed(msg.request_id, f"{type(e).__name__}: {e}", invalid=False))
 
     def _utility(self, method: str, args: list) -> Any:
         core = self.core

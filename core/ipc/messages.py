@@ -3,7 +3,9 @@ nothing is ever pickled). The protocol, the sockets and the process lifecycle ar
 ``paged.core.ipc.engine_core_proc``.
 
 Front-end -> core (``CoreRequest``, a tagged union): ``AddRequest`` (the engine's own
-``EngineCoreRequest``, built by the front-end's InputProcessor and sent as is), ``AbortRequests``,
+``EngineCoreRequest``, built by the front-end's InputProcessor and sent as is), ``AddRequests``
+(several at once: the samples of one request, the inputs of one embeddings call, so that the
+core's next step sees all of them rather than the first alone), ``AbortRequests``,
 ``UtilityCall`` (``stats``, ``reset_prefix_cache``, ``ping``).
 Core -> front-end (``CoreMessage``): ``Ready`` (once, over the DEALER, after the model and the KV
 cache are up), ``Outputs`` (one per engine step that produced something; the engine's own
@@ -31,6 +33,10 @@ class EngineDeadError(EngineError):
 AddRequest = EngineCoreRequest
 
 
+class AddRequests(msgspec.Struct, tag="add_many", array_like=True):
+    requests: list[EngineCoreRequest]
+
+
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
     request_ids: list[str]
     status: str = "abort"  # "abort" (client went away) | "stop" (a stop string ended it)
@@ -42,7 +48,7 @@ class UtilityCall(msgspec.Struct, tag="utility", array_like=True):
     args: list[Any] = []
 
 
-CoreRequest = Union[AddRequest, AbortRequests, UtilityCall]
+CoreRequest = Union[AddRequest, AddRequests, AbortRequests, UtilityCall]
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):

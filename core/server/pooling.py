@@ -108,21 +108,13 @@ def _check_count(state: ServerState, field: str, count: int) -> None:
 async def pool(state: ServerState, llm, request_id: str, inputs: list[str | list[int]], params: PoolingParams,
                add_special_tokens: bool = True, priority: int = 0, tenant: str | None = None,
                field: str = "input") -> list[PoolingRequestOutput]:
-    """One engine request per input, all queued before any is awaited (they run batched); their
-    outputs in input order. A failed or rejected one raises the APIError for the response."""
+    """One engine request per input, all sent in one message (the core's next step holds them
+    all); their outputs in input order. A failed or rejected one raises the APIError for the response."""
     token_ids = await state.inputs.tokenize(inputs, add_special_tokens, field)
     if state.draining:
         raise shutting_down()
-    streams = []
-    try:
-        for i, text in enumerate(inputs):
-            streams.append(await llm.add_request(f"{request_id}-{i}", text, params, priority,
-                                                 add_special_tokens=add_special_tokens, prompt_token_ids=token_ids[i],
-                                                 tenant=tenant, output_kind=RequestOutputKind.FINAL_ONLY))
-    except BaseException:
-        for s in streams:
-            s.close()
-        raise
+    streams = await llm.add_requests([f"{request_id}-{i}" for i in range(len(inputs))], inputs, params, priority,
+                                     add_special_tokens, token_ids, tenant, output_kind=RequestOutputKind.FINAL_ONLY)
     outputs: dict[int, PoolingRequestOutput] = {}
     async for i, out in merged(streams, state.open_merges):
         outputs[i] = out

@@ -10,7 +10,7 @@ from paged.core.frontend.async_llm import AsyncLLM
 from paged.core.config import load_config
 from paged.core.engine.engine_core import ModelInfo
 from paged.core.engine.outputs import EngineCoreOutput, EngineCoreRequest
-from paged.core.ipc.messages import AbortRequests, Outputs, UtilityCall
+from paged.core.ipc.messages import AbortRequests, AddRequests, Outputs, UtilityCall
 from paged.core.sampling_params import SamplingParams
 
 BLOCK = 16
@@ -75,7 +75,13 @@ def _llm(tokenizer, answers=None) -> tuple[AsyncLLM, FakeClient]:
 
 
 def _adds(client: FakeClient) -> dict[str, int]:
-    return {m.request_id: core for m, core in client.sent if isinstance(m, EngineCoreRequest)}
+    """Each added request's core (a request's samples for one core come in one AddRequests)."""
+    adds = {}
+    for m, core in client.sent:
+        for request in (m.requests if isinstance(m, AddRequests) else [m]):
+            if isinstance(request, EngineCoreRequest):
+                adds[request.request_id] = core
+    return adds
 
 
 def _aborts(client: FakeClient) -> list[tuple[list[str], str, int]]:

@@ -9,7 +9,7 @@ def test_msgspec_messages_round_trip():
     from paged.core.engine.engine_core import ModelInfo
     from paged.core.engine.outputs import EngineCoreOutput, EngineCoreRequest
     from paged.core.ipc.messages import (
-        AbortRequests, CoreFailed, Outputs, Ready, RequestFailed, UtilityCall, UtilityResult,
+        AbortRequests, AddRequests, CoreFailed, Outputs, Ready, RequestFailed, UtilityCall, UtilityResult,
         make_encoder, message_decoder, request_decoder,
     )
     from paged.core.engine.request import Request
@@ -22,7 +22,8 @@ def test_msgspec_messages_round_trip():
     # What the front-end's InputProcessor builds and sends as is.
     add = EngineCoreRequest("r-1#0", [1, 2, 3], params, 12.5, priority=-3, cache_salt="s", eos_token_id=2,
                             max_tokens=9, tenant="t", deadline=20.0)
-    inputs = [add, AbortRequests(["a", "b"], "stop"), UtilityCall(4, "stats", [1, "x"])]
+    second = EngineCoreRequest("r-1#1", [1, 2, 3], params, 12.5, eos_token_id=2, max_tokens=9)
+    inputs = [add, AddRequests([add, second]), AbortRequests(["a", "b"], "stop"), UtilityCall(4, "stats", [1, "x"])]
     for msg in inputs:
         payload = enc.encode(msg)
         assert isinstance(payload, bytes)
