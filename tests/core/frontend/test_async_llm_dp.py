@@ -147,3 +147,25 @@ def test_utility_calls_go_to_every_core(tokenizer):
         llm.shutdown()
 
     asyncio.run(main())
+
+
+def test_add_requests_validates_all_then_sends_one_message_per_core(tokenizer):
+    from paged.core.errors import InvalidRequestError
+
+    async def main():
+        llm, client = _llm(tokenizer)
+        params = SamplingParams(max_tokens=4)
+        with pytest.raises(InvalidRequestError, match="prompt"):  # the third is empty: nothing is sent
+            await llm.add_requests(["x", "y", "z"], [[5, 6], [7, 8], []], params)
+        assert client.sent == [] and not llm.requests
+        with pytest.raises(InvalidRequestError, match="request_id"):
+            await llm.add_requests(["x", "x"], [[5, 6], [7, 8]], params)
+        streams = await llm.add_requests(["p", "q", "r", "s"], [[5, 6], [7, 8], [9, 10], [11, 12]], params)
+        assert [s.request_id for s in streams] == ["p", "q", "r", "s"]
+        # the router balances four short prompts over two cores: two per core, in one message each
+        assert sorted(core for _, core in client.sent) == [0, 1]
+        assert all(isinstance(m, AddRequests) and len(m.requests) == 2 for m, _ in client.sent)
+        assert sorted(_adds(client)) == ["p", "q", "r", "s"] and llm.core_loads() == [2, 2]
+        llm.shutdown()
+
+    asyncio.run(main())
