@@ -69,6 +69,23 @@ def assert_embeds_like_hf(outputs, texts, hf, pooler: str, normalize: bool = Tru
             np.testing.assert_allclose(got, want, rtol=1e-3, atol=2e-3)
 
 
+def test_two_tensor_parallel_ranks_pool_and_classify_as_hf(default_model_dir, hf):
+    """TP = 2 (gloo): rank 0 pools the replicated post-norm hidden states; the classifier's two
+    token rows go through the sharded LM head on both ranks, as sampled rows do."""
+    with LLM(default_model_dir, pooler="mean", tensor_parallel_size=2, **ENGINE) as llm:
+        assert llm.engine.core.tp_ranks is not None  # a second rank runs
+        assert_embeds_like_hf(llm.embed(TEXTS, use_tqdm=False), TEXTS, hf, "mean")
+    template = "Query: {query}\nDocument: {document}\nRelevant:"
+    query, docs = "Where is Paris?", ["Paris is in France.", "Bananas are yellow."]
+    with LLM(default_model_dir, classifier_from_tokens=["no", "yes"], score_template=template,
+             tensor_parallel_size=2, **ENGINE) as llm:
+        no, yes = (llm.tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in ("no", "yes"))
+        scores = [o.outputs.score for o in llm.score(query, docs, use_tqdm=False)]
+    for doc, got in zip(docs, scores):
+        logits = hf(template.replace("{query}", query).replace("{document}", doc))[1][-1]
+        assert got == pytest.approx(torch.softmax(logits[[no, yes]], 0)[1].item(), abs=1e-5)
+
+
 @pytest.mark.parametrize("pooler", ["last", "mean"])
 def test_embeddings_equal_hf_under_chunking_and_the_prefix_cache(default_model_dir, hf, pooler):
     llm = LLM(default_model_dir, pooler=pooler, **ENGINE)
