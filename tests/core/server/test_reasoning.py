@@ -84,6 +84,11 @@ def qwen3_server(default_model_dir, tmp_path_factory):
     tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
     tokenizer_config["chat_template"] = QWEN3_LIKE_TEMPLATE
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    yield from _serve_model(path)
+
+
+def _serve_model(path: Path):
+    """A float32 server of the model in ``path`` named "m" (``model_dir``: the path)."""
     port = free_port()
     args = ["--model", str(path), "--device", "cpu", "--dtype", "float32", "--attention", "torch", "--host",
             "127.0.0.1", "--port", str(port), "--api-key", API_KEY, "--num-kv-blocks", "64", "--served-model-name", "m", "-q"]
@@ -156,12 +161,7 @@ def thinking_server(qwen3_server, tmp_path_factory):
     tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
     tokenizer_config["chat_template"] = ALWAYS_THINKING_TEMPLATE
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    port = free_port()
-    args = ["--model", str(path), "--device", "cpu", "--dtype", "float32", "--attention", "torch", "--host",
-            "127.0.0.1", "--port", str(port), "--api-key", API_KEY, "--num-kv-blocks", "64", "--served-model-name", "m", "-q"]
-    with serve(args, path, port) as server:
-        server.model_dir = path
-        yield server
+    yield from _serve_model(path)
 
 
 def test_responses_put_the_thinking_in_a_reasoning_item_final_and_streamed(thinking_server):
