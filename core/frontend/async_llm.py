@@ -213,16 +213,7 @@ class AsyncLLM:
             request_id, prompt, params or SamplingParams(), priority, arrival_time, cache_salt, add_special_tokens,
             prompt_token_ids=prompt_token_ids, tenant=tenant, deadline_s=deadline_s, output_kind=output_kind,
         )
-        stream = state.stream = RequestStream(request_id, self.abort)
-        self.output_processor.add(state)
-        try:
-            await self._send_adds(requests)
-        except BaseException:
-            self.abort(request_id)
-            raise
-        self.observer.prompt_tokens(len(state.prompt_token_ids) * len(requests))
-        if self.trace_recorder is not None and state.pooling is None:
-            self.trace_recorder.add(request_id, params or SamplingParams(), priority, state.prompt)
+        [stream] = await self._register_and_send([(state, requests)], params or SamplingParams(), priority)
         return stream
 
     async def add_requests(
@@ -250,13 +241,25 @@ class AsyncLLM:
             prompt_token_ids=None if prompt_token_ids is None else prompt_token_ids[i], tenant=tenant,
             deadline_s=deadline_s, output_kind=output_kind,
         ) for i, (request_id, prompt) in enumerate(zip(request_ids, prompts, strict=True))]
+        return await self._register_and_send(prepared, params, priority)
+
+    async def _register_and_send(self, prepared: list[tuple[RequestState, list]], params, priority: int
+                                 ) -> list[RequestStream]:
+        """Give each validated request (its state and core messages, as the input processor built
+        them) a stream, then send the messages: one per core. A failed send aborts them all."""
         streams = []
         for state, _ in prepared:
             state.stream = RequestStream(state.request_id, self.abort)
             self.output_processor.add(state)
             streams.append(state.stream)
+        by_core: dict[int, list] = {}
         try:
-            await self._send_adds([request for _, requests in prepared for request in requests])
+            for request in (request for _, requests in prepared for request in requests):
+                core = 0 if self.router is None else self.router.route(
+                    request.request_id, request.prompt_token_ids, request.cache_salt)
+                by_core.setdefault(core, []).append(request)
+            for core, batch in by_core.items():
+                await self.client.send(batch[0] if len(batch) == 1 else AddRequests(batch), core)
         except BaseException:
             for state, _ in prepared:
                 self.abort(state.request_id)
@@ -266,16 +269,6 @@ class AsyncLLM:
             if self.trace_recorder is not None and state.pooling is None:
                 self.trace_recorder.add(state.request_id, params, priority, state.prompt)
         return streams
-
-    async def _send_adds(self, requests: list) -> None:
-        """The core messages, as the input processor built them: one message per core."""
-        by_core: dict[int, list] = {}
-        for request in requests:
-            core = 0 if self.router is None else self.router.route(
-                request.request_id, request.prompt_token_ids, request.cache_salt)
-            by_core.setdefault(core, []).append(request)
-        for core, batch in by_core.items():
-            await self.client.send(batch[0] if len(batch) == 1 else AddRequests(batch), core)
 
     async def generate(
         self,
