@@ -190,7 +190,11 @@ class KVCacheMachine(RuleBasedStateMachine):
         )
         total = len(prompt) + max_tokens
         too_long = total > self.sched.max_model_len
-        too_big = cdiv(total, self.bs) > self.kv.num_blocks
+        need = cdiv(total, self.bs)
+        if self.WINDOW is not None:  # alone, it holds its window and one step: W - 1 + budget positions,
+            # over at most one block more than they fill (the rest freed); the machine checks that it suffices
+            need = min(need, cdiv(self.WINDOW - 1 + self.sched.max_num_batched_tokens, self.bs) + 1)
+        too_big = need > self.kv.num_blocks
         in_use = rid in self.sched.requests
         try:
             self.sched.add_request(request)
