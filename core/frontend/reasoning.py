@@ -12,6 +12,9 @@ output is all content. An output that never closes a block it opened is all reas
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 from paged.core.frontend.tools import prefix_overlap
 
 # model_type (HF config) -> the family's reasoning parser, chosen by server.reasoning_parser="auto".
@@ -95,3 +98,12 @@ class ThinkParser:
         if self.state == "reasoning":
             return rest, ""
         return "", rest
+
+    def take(self, output) -> tuple[str, Any]:
+        """One streamed ``CompletionOutput``'s new text split: its reasoning, and the output with
+        only the content left as ``new_text`` (what was held back comes out when it finishes)."""
+        reasoning, content = self.feed(output.new_text)
+        if output.finished:
+            more_reasoning, more_content = self.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        return reasoning, replace(output, new_text=content)

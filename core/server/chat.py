@@ -72,12 +72,7 @@ class ChatFormat(ChoiceFormat):
         logprobs = chat_logprobs(self.tok, new_logprobs) if new_logprobs is not None else None
         reasoning = ""
         if self.reasoning is not None:
-            thinker = self.thinkers.setdefault(index, ThinkParser(self.reasoning))
-            reasoning, content = thinker.feed(c.new_text)
-            if c.finished:
-                more_reasoning, more_content = thinker.finish()
-                reasoning, content = reasoning + more_reasoning, content + more_content
-            c = replace(c, new_text=content)
+            reasoning, c = self.thinkers.setdefault(index, ThinkParser(self.reasoning)).take(c)
         if self.tools.active:
             delta, finish_reason = self.tools.delta(index, c)
         else:

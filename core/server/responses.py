@@ -375,11 +375,7 @@ async def _events(state: ServerState, store: ResponseStore, req: ResponsesReques
                 if c.finished:
                     finish_reason = c.finish_reason
                 if thinker is not None:
-                    reasoning, content = thinker.feed(c.new_text)
-                    if c.finished:
-                        more_reasoning, more_content = thinker.finish()
-                        reasoning, content = reasoning + more_reasoning, content + more_content
-                    c = replace(c, new_text=content)
+                    reasoning, c = thinker.take(c)
                     if reasoning:
                         if thought is None:
                             thought = reasoning_item("", "in_progress")
