@@ -68,7 +68,8 @@ from paged.core.attention import (
     default_allocate_kv_cache,
     write_kv_by_slot,
 )
-from paged.core.utils import ScratchBuffers, cdiv
+from paged.core.tensors import ScratchBuffers
+from paged.core.utils import cdiv
 
 
 # Queries of at most this many tokens go through the fused CPU kernel, one row per token.

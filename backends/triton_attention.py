@@ -73,7 +73,8 @@ from paged.core.attention import (
     BatchInputs,
     default_allocate_kv_cache,
 )
-from paged.core.utils import ScratchBuffers, cdiv
+from paged.core.tensors import ScratchBuffers
+from paged.core.utils import cdiv
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 tl: Any = None  # triton.language, bound by _kernels()

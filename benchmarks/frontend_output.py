@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' model helpers
 
-from paged.core.engine.engine_core import ModelInfo
+from paged.core.engine.model_info import ModelInfo
 from paged.core.engine.outputs import EngineCoreOutput
 from paged.core.engine.sampler import TokenLogprobs
 from paged.core.frontend.processor import InputProcessor, OutputProcessor

@@ -43,7 +43,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from paged.core.errors import ConfigError
-from paged.core.utils import zeros_untouched
+from paged.core.tensors import zeros_untouched
 
 
 @dataclass(frozen=True)

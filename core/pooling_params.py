@@ -6,6 +6,12 @@ from dataclasses import dataclass
 
 from paged.core.errors import InvalidRequestError
 
+# what a request for the other runner is told (front-end and engine core alike)
+NOT_A_POOLING_ENGINE = ("model.runner: this engine generates (runner generate); embeddings and scores need an "
+                        "engine started with --runner pooling")
+NOT_A_GENERATING_ENGINE = ("model.runner: this engine pools (runner pooling: embeddings, /score, /rerank); "
+                           "completions and chat need an engine started with --runner generate")
+
 
 @dataclass
 class PoolingParams:

@@ -21,6 +21,7 @@ from typing import Callable, Iterable
 from paged.core.config import EngineConfig, check_quantization, resolve_plugins, resolve_structured_output
 from paged.core.engine.grammar import StructuredOutputManager
 from paged.core.engine.kv_cache_manager import KVCacheManager
+from paged.core.engine.model_info import ModelInfo  # noqa: F401  (its old home: importers of it from here keep working)
 from paged.core.engine.pooling import NOT_A_GENERATING_ENGINE, NOT_A_POOLING_ENGINE, resolve_pooling
 from paged.core.engine.outputs import EngineCoreOutput, EngineCoreRequest
 from paged.core.engine.request import Request, RequestStatus
@@ -30,26 +31,6 @@ from paged.core.errors import EngineError, InvalidRequestError, RequestRejectedE
 from paged.core.loading.model_config import resolve_model
 
 logger = logging.getLogger("paged")
-
-
-@dataclass
-class ModelInfo:
-    """What a front-end needs to know about the core's model to build requests."""
-
-    model_dir: str
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: list[int]
-    num_blocks: int
-    block_size: int
-    tokenizer_dir: str = ""  # the model's own directory unless model.tokenizer names another
-    runner: str = "generate"  # model.runner
-    # the pooling runner: pooler, normalize (the default), max_dimensions, classifier_tokens (or None)
-    pooling: dict | None = None
-    # every layer's largest window (None: some layer attends to all) and the token budget:
-    # what a request needs of the cache (scheduler.check_request_fits)
-    sliding_window: int | None = None
-    max_num_batched_tokens: int = 0
 
 
 @dataclass

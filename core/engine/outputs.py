@@ -1,16 +1,27 @@
-"""The engine core's two per-request messages, each the one type used both in-process and on
+"""The engine core's two per-request messages (and ``TokenLogprobs``, which outputs carry), each the one type used both in-process and on
 the wire between an engine-core process and its front-end: ``EngineCoreRequest`` (what a
 front-end adds; ``EngineCore.add_request`` builds the engine's ``Request`` from it) and
 ``EngineCoreOutput`` (what one step reports per request)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import msgspec
 
 from paged.core.engine.request import Request, RequestStatus
-from paged.core.engine.sampler import TokenLogprobs
 from paged.core.pooling_params import PoolingParams
 from paged.core.sampling_params import SamplingParams
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob information for one sampled token."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token (1 + the number of tokens with a strictly larger logprob)
+    top: list[tuple[int, float]]  # the sampling_params.logprobs most likely (token_id, logprob), best first
 
 
 class EngineCoreRequest(msgspec.Struct, tag="add", array_like=True):

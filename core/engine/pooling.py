@@ -16,13 +16,7 @@ import torch
 
 from paged.core.errors import ConfigError, ModelLoadError
 from paged.core.pooling import PoolerContext, checkpoint_pooling
-
-
-# what a request for the other runner is told (front-end and engine core alike)
-NOT_A_POOLING_ENGINE = ("model.runner: this engine generates (runner generate); embeddings and scores need an "
-                        "engine started with --runner pooling")
-NOT_A_GENERATING_ENGINE = ("model.runner: this engine pools (runner pooling: embeddings, /score, /rerank); "
-                           "completions and chat need an engine started with --runner generate")
+from paged.core.pooling_params import NOT_A_GENERATING_ENGINE, NOT_A_POOLING_ENGINE  # noqa: F401  (their old home)
 
 HEAD_WEIGHTS = ("score.weight", "score.bias")  # a *ForSequenceClassification checkpoint's head
 

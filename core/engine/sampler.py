@@ -50,20 +50,11 @@ from typing import Iterable
 
 import torch
 
+from paged.core.engine.outputs import TokenLogprobs  # noqa: F401  (defined with the wire messages; importable from here as before)
 from paged.core.engine.plugin_faults import describe, log_fault
 from paged.core.engine.request import Request
 
 _NEG_INF = float("-inf")
-
-
-@dataclass
-class TokenLogprobs:
-    """Logprob information for one sampled token."""
-
-    token_id: int
-    logprob: float
-    rank: int  # 1 = the most likely token (1 + the number of tokens with a strictly larger logprob)
-    top: list[tuple[int, float]]  # the sampling_params.logprobs most likely (token_id, logprob), best first
 
 
 @dataclass

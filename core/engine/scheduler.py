@@ -41,11 +41,10 @@ from typing import Iterable
 
 from paged.core.errors import ConfigError, EngineError, InvalidRequestError, RequestRejectedError
 from paged.core.engine.kv_cache_manager import KVCacheManager
-from paged.core.engine.outputs import EngineCoreOutput
+from paged.core.engine.outputs import EngineCoreOutput, TokenLogprobs
 from paged.core.engine.plugin_faults import PluginCode, describe, log_fault, plugin_code
 from paged.core.engine.policy_inputs import budget_split, step_stats
 from paged.core.engine.request import Request, RequestStatus
-from paged.core.engine.sampler import TokenLogprobs
 from paged.core.engine.waiting_queue import GroupedWaitingQueue, WaitingQueue
 from paged.core.policy import MAX_DEFERRALS_PER_STEP, Admission, SchedulingPolicy, overrides
 from paged.core.utils import cdiv

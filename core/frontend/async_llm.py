@@ -34,7 +34,7 @@ import zmq
 from paged.core.config import EngineConfig
 from paged.core.frontend.dp_router import DataParallelRouter
 from paged.core.frontend.dp_stats import combine_core_stats
-from paged.core.engine.engine_core import ModelInfo
+from paged.core.engine.model_info import ModelInfo
 from paged.core.ipc.client import EngineCoreClient
 from paged.core.ipc.messages import (
     AbortRequests,

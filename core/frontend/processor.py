@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from paged.core.constraint_check import ConstraintValidator
-from paged.core.engine.engine_core import ModelInfo
+from paged.core.engine.model_info import ModelInfo
 from paged.core.engine.outputs import EngineCoreOutput, EngineCoreRequest
-from paged.core.engine.pooling import NOT_A_GENERATING_ENGINE, NOT_A_POOLING_ENGINE
+from paged.core.pooling_params import NOT_A_GENERATING_ENGINE, NOT_A_POOLING_ENGINE
 from paged.core.engine.scheduler import check_request_fits
 from paged.core.errors import InvalidRequestError
 from paged.core.frontend.detokenizer import IncrementalDetokenizer

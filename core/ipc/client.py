@@ -16,7 +16,7 @@ import time
 import zmq
 
 from paged.core.engine.child_process import spawn_child
-from paged.core.engine.engine_core import ModelInfo
+from paged.core.engine.model_info import ModelInfo
 from paged.core.errors import ConfigError
 from paged.core.ipc.messages import CoreFailed, EngineDeadError, Ready, make_encoder, message_decoder
 

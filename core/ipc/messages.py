@@ -19,7 +19,7 @@ from typing import Any, Union
 
 import msgspec
 
-from paged.core.engine.engine_core import ModelInfo
+from paged.core.engine.model_info import ModelInfo
 from paged.core.engine.outputs import EngineCoreOutput, EngineCoreRequest
 from paged.core.errors import EngineError
 

@@ -34,6 +34,17 @@ def test_cli_help_imports_no_torch(argv):
     assert not any(loaded.values()), f"paged {' '.join(argv)} imported {[m for m, v in loaded.items() if v]}"
 
 
+def test_the_front_end_imports_no_engine_and_no_torch():
+    """The server's and AsyncLLM's modules talk to a core over ZeroMQ: they import the wire
+    messages (and the scheduler's fit rule), not the engine core, sampler or runner, and so not torch."""
+    probe = ("import json, sys\nimport paged.core.server.app, paged.core.frontend.async_llm\n"
+             "print(json.dumps(sorted(m for m in sys.modules if m == 'torch' or m in ("
+             "'paged.core.engine.engine_core', 'paged.core.engine.sampler', "
+             "'paged.core.engine.model_runner', 'paged.core.engine.pooling'))))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
 def test_phases_exclude_what_is_timed_inside_them(monkeypatch, caplog):
     monkeypatch.setattr(startup_times, "enabled", True)
     clock = iter([0.0, 1.0, 3.0, 10.0])  # outer starts, inner starts, inner ends, outer ends

@@ -8,7 +8,7 @@ import pytest
 
 from paged.core.frontend.async_llm import AsyncLLM
 from paged.core.config import load_config
-from paged.core.engine.engine_core import ModelInfo
+from paged.core.engine.model_info import ModelInfo
 from paged.core.engine.outputs import EngineCoreOutput, EngineCoreRequest
 from paged.core.ipc.messages import AbortRequests, AddRequests, Outputs, UtilityCall
 from paged.core.sampling_params import SamplingParams

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from paged.core.engine.engine_core import ModelInfo
+from paged.core.engine.model_info import ModelInfo
 from paged.core.engine.outputs import EngineCoreOutput, EngineCoreRequest
 from paged.core.engine.sampler import TokenLogprobs
 from paged.core.frontend.outputs import RequestOutputKind

@@ -6,7 +6,7 @@ from paged.core.sampling_params import SamplingParams
 
 
 def test_msgspec_messages_round_trip():
-    from paged.core.engine.engine_core import ModelInfo
+    from paged.core.engine.model_info import ModelInfo
     from paged.core.engine.outputs import EngineCoreOutput, EngineCoreRequest
     from paged.core.ipc.messages import (
         AbortRequests, AddRequests, CoreFailed, Outputs, Ready, RequestFailed, UtilityCall, UtilityResult,

@@ -1,0 +1,46 @@
+"""Tensor helpers shared by the engine and the attention backends (torch; ``paged.core.utils``
+stays torch-free so that the front-end's imports do not load torch)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class ScratchBuffers:
+    """Named scratch tensors that only ever grow: ``get(name, shape, dtype, device)`` returns a
+    contiguous ``shape`` view of a persistent buffer, reallocated only when a larger one (or
+    another dtype/device) is asked for. Reused by every layer and step, so the hot path does not
+    allocate. A view is valid until the next ``get`` of the same name."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        numel = math.prod(shape)
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != torch.device(device):
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self._buffers[name] = buf
+        return buf[:numel].view(shape)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._buffers
+
+
+_UNSIGNED_BY_SIZE = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}
+
+
+def zeros_untouched(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``torch.zeros``, except that on a CPU the memory comes from ``calloc`` (through numpy), so
+    the operating system hands out zero pages as they are first written instead of ``torch.zeros``
+    writing every byte up front: a 1 GiB KV cache costs nothing until it fills (about 1 s at
+    start-up otherwise, and its whole size in resident memory)."""
+    device = torch.device(device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or itemsize not in _UNSIGNED_BY_SIZE or dtype.is_complex:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    return torch.from_numpy(np.zeros(shape, dtype=_UNSIGNED_BY_SIZE[itemsize])).view(dtype)
