@@ -1,4 +1,4 @@
-"""Speculative decoding (``ngram``) against plain decoding, side by side in one run.
+"""Speculative decoding (``ngram``, ``suffix``) against plain decoding, side by side in one run.
 
 Workloads on the default model (its GGUF, paged's defaults otherwise; raw text prompts, greedy):
 
@@ -7,7 +7,10 @@ Workloads on the default model (its GGUF, paged's defaults otherwise; raw text p
 (b) free text: a story, an explanation, an essay.
 
 Batch 1: each prompt's decode tok/s (new tokens after the first / the time after the first
-token) for paged without speculation, paged with ``ngram``, and llama.cpp's own C++ tools on the
+token) for paged without speculation, with ``ngram``, with ``suffix`` matching the request's own
+tokens only (``suffix_decoding_max_cached_requests=0``) and with ``suffix`` as it comes (its cache
+of earlier outputs: the rounds repeat the prompts, so from round 2 on it has seen each answer
+once, as a repeated task would), and llama.cpp's own C++ tools on the
 same GGUF when they are found (``llama-lookup``, built by ``../shared/tools/build-llamacpp.sh``
 with that target: ``llama-plain`` is it with ``--spec-draft-n-max 0``, plain decoding;
 ``llama-lookup`` its n-gram lookup decoding with drafts of up to k), alternated prompt by prompt for ``--rounds``
@@ -18,6 +21,7 @@ all at once, total time with and without speculation, alternated.
     python benchmarks/speculative.py                  # ~10 min on 2 cores; run it alone
     python benchmarks/speculative.py --quick          # a smoke test
     python benchmarks/speculative.py --k 3 --batches 16 --rounds 5
+    python benchmarks/speculative.py --methods ngram  # only ngram beside plain
 """
 
 from __future__ import annotations
@@ -98,25 +102,27 @@ def llamacpp_decode(gguf: str, prompt: str, tokens: int, threads: int, k: int) -
     return float(speed[-1]), float(accept[-1]) / 100 if accept and k else None
 
 
-def print_batch1(args, modes: list[str], speeds: dict, accept: dict, llama_accept: dict) -> None:
+def print_batch1(args, modes: list[str], methods: list[str], speeds: dict, accept: dict, llama_accept: dict) -> None:
     print(f"\nbatch 1, decode tok/s (median of {args.rounds} alternated rounds), {args.max_tokens} new tokens, "
-          f"k = {args.k}, {args.threads} threads; ratios > 1: ngram faster")
+          f"k = {args.k}, {args.threads} threads; ratios > 1: speculation faster")
     tools = [m for m in modes if m.startswith("llama")]
-    print(f"{'prompt':<24}" + "".join(f"{m:>14}" for m in modes) + f"{'ngram/plain':>13}"
+    print(f"{'prompt':<24}" + "".join(f"{m:>14}" for m in modes) + "".join(f"{m + '/plain':>18}" for m in methods)
           + (f"{'ngram/llama':>13}{'ngram/lookup':>14}" if tools else ""))
     for workload, prompts in WORKLOADS.items():
         for name in prompts:
             med = {m: statistics.median(speeds[(name, m)]) for m in modes}
-            row = f"{name:<24}" + "".join(f"{med[m]:>14.1f}" for m in modes) + f"{med['ngram'] / med['plain']:>12.2f}x"
-            if tools:
+            row = f"{name:<24}" + "".join(f"{med[m]:>14.1f}" for m in modes)
+            row += "".join(f"{med[m] / med['plain']:>17.2f}x" for m in methods)
+            if tools and "ngram" in med:
                 row += f"{med['ngram'] / med['llama-plain']:>12.2f}x{med['ngram'] / med['llama-lookup']:>13.2f}x"
             print(row)
-        d = accept.get(workload, [])
-        drafts, drafted, accepted = (sum(x[i] for x in d) for i in range(3))
-        print(f"  {workload}: paged ngram acceptance {accepted / max(drafted, 1):.1%}, mean accepted length "
-              f"{1 + accepted / max(drafts, 1):.2f}" + (f"; llama-lookup acceptance "
-              f"{statistics.mean(llama_accept[workload]):.1%}" if llama_accept.get(workload) else ""))
-
+        for method in methods:
+            d = accept.get((workload, method), [])
+            drafts, drafted, accepted = (sum(x[i] for x in d) for i in range(3))
+            print(f"  {workload}, {method}: acceptance {accepted / max(drafted, 1):.1%}, mean accepted length "
+                  f"{1 + accepted / max(drafts, 1):.2f}")
+        if llama_accept.get(workload):
+            print(f"  {workload}, llama-lookup acceptance {statistics.mean(llama_accept[workload]):.1%}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -130,6 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-llamacpp", action="store_true")
     parser.add_argument("--only-batches", action="store_true", help="skip the batch-1 table")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    parser.add_argument("--methods", default="ngram,suffix-own,suffix",
+                        help="beside plain: ngram, suffix-own (suffix without its cache of outputs), suffix")
     args = parser.parse_args(argv)
     if args.quick:
         args.max_tokens, args.rounds, args.batches, args.batch_tokens = 24, 1, "4", 16
@@ -140,8 +148,15 @@ def main(argv: list[str] | None = None) -> None:
     from paged.core.loading.gguf import default_gguf_path
 
     torch.set_num_threads(args.threads)
-    spec = {"method": "ngram", "num_speculative_tokens": args.k}
-    engines = {"plain": LLM(), "ngram": LLM(speculative_config=spec)}
+    specs = {"ngram": {"method": "ngram"}, "suffix": {"method": "suffix"},
+             "suffix-own": {"method": "suffix", "suffix_decoding_max_cached_requests": 0}}
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = [m for m in methods if m not in specs]
+    if unknown:
+        parser.error(f"--methods: unknown {unknown}; choose from {sorted(specs)}")
+    engines = {"plain": LLM()}
+    for method in methods:
+        engines[method] = LLM(speculative_config={**specs[method], "num_speculative_tokens": args.k})
     gguf = str(default_gguf_path())
     tools = [] if args.no_llamacpp or not (LLAMACPP / "llama-lookup").is_file() else ["llama-plain", "llama-lookup"]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -162,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
                     speeds.setdefault((name, mode), []).append(decode_tok_s(out))
                     if before is not None:
                         s = core.speculator.stats
-                        accept.setdefault(workload, []).append(
+                        accept.setdefault((workload, mode), []).append(
                             (s.num_drafts - before[0], s.num_draft_tokens - before[1], s.num_accepted_tokens - before[2]))
                 for tool in tools:
                     tok_s, rate = llamacpp_decode(gguf, prompt, args.max_tokens, args.threads,
@@ -172,14 +187,14 @@ def main(argv: list[str] | None = None) -> None:
                         llama_accept.setdefault(workload, []).append(rate)
 
     if not args.only_batches:
-        print_batch1(args, list(engines) + tools, speeds, accept, llama_accept)
+        print_batch1(args, list(engines) + tools, methods, speeds, accept, llama_accept)
 
     all_prompts = [p for prompts in WORKLOADS.values() for p in prompts.values()]
     batch_params = SamplingParams(temperature=0, max_tokens=args.batch_tokens, ignore_eos=True)
     print(f"\nbatches: the 6 prompts cycled to B requests, {args.batch_tokens} new tokens each, all at once; "
           f"total s (median of {args.rounds}); speculation off in steps of more than speculative.disable_by_batch_size "
-          f"({engines['ngram'].config.speculative.disable_by_batch_size}) decoding requests")
-    print(f"{'B':>4}{'plain':>10}{'ngram':>10}{'plain/ngram':>13}")
+          f"({engines['plain'].config.speculative.disable_by_batch_size}) decoding requests")
+    print(f"{'B':>4}" + "".join(f"{m:>12}" for m in engines) + "".join(f"{'plain/' + m:>18}" for m in methods))
     for b in [int(x) for x in args.batches.split(",") if x]:
         prompts = [all_prompts[i % len(all_prompts)] for i in range(b)]
         times: dict[str, list[float]] = {}
@@ -189,7 +204,8 @@ def main(argv: list[str] | None = None) -> None:
                 llm.generate(prompts, batch_params, use_tqdm=False)
                 times.setdefault(mode, []).append(time.perf_counter() - t)
         med = {m: statistics.median(v) for m, v in times.items()}
-        print(f"{b:>4}{med['plain']:>10.2f}{med['ngram']:>10.2f}{med['plain'] / med['ngram']:>12.2f}x")
+        print(f"{b:>4}" + "".join(f"{med[m]:>12.2f}" for m in engines)
+              + "".join(f"{med['plain'] / med[m]:>17.2f}x" for m in methods))
     for llm in engines.values():
         llm.shutdown()
 

@@ -1,9 +1,11 @@
-"""Bundled speculative-decoding proposers: ``ngram`` (prompt lookup, ``paged.plugins.ngram``)."""
+"""Bundled speculative-decoding proposers: ``ngram`` (prompt lookup, ``paged.plugins.ngram``) and
+``suffix`` (suffix decoding, ``paged.plugins.suffix``)."""
 
 from __future__ import annotations
 
 from paged.core.hookspecs import SpeculativeProposerSpec, hookimpl
 from paged.plugins.ngram import NgramOptions, NgramProposer
+from paged.plugins.suffix import SuffixOptions, SuffixProposer
 
 
 @hookimpl
@@ -15,5 +17,12 @@ def register_speculative_proposers():
             options=NgramOptions,
             description="prompt lookup: the tokens that followed the latest earlier occurrence of the request's "
             "last 2-4 tokens (prompt_lookup_min/max)",
+        ),
+        SpeculativeProposerSpec(
+            name="suffix",
+            factory=SuffixProposer,
+            options=SuffixOptions,
+            description="suffix decoding: what followed the longest earlier match of the request's end, in its own "
+            "tokens or recent outputs, up to max_spec_factor x its length",
         ),
     ]

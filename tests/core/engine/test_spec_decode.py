@@ -143,6 +143,27 @@ def test_greedy_tokens_and_logprobs_equal_plain_decoding(plain_outputs):
     assert stats.accepted_per_position == sorted(stats.accepted_per_position, reverse=True)  # position i needs i - 1
 
 
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 4, "disable_by_batch_size": None}
+
+
+def test_suffix_gives_the_plain_greedy_tokens_and_drafts_from_earlier_outputs(plain_outputs):
+    """``suffix`` on 16 of the prompts, then on the same 16 again: plain decoding's tokens both
+    times; the second pass finds the first pass's outputs in its cache, so it accepts more of
+    its drafts (matched from the request's first token on) than the first did."""
+    prompts = _prompts(16)
+    want = [o.token_ids for o in plain_outputs["greedy"][:16]]
+    with LLM(speculative_config=SUFFIX, **SMALL) as llm:
+        first = [o.outputs[0].token_ids for o in _greedy(llm, prompts)]
+        stats = llm.engine.core.speculator.stats
+        accepted_first = stats.num_accepted_tokens
+        second = [o.outputs[0].token_ids for o in _greedy(llm, prompts)]
+        accepted_second = stats.num_accepted_tokens - accepted_first
+        kv = llm.engine.kv_cache_manager
+        assert kv.num_free_blocks == kv.num_blocks and not kv.block_tables
+    assert first == want and second == want
+    assert accepted_first > 0 and accepted_second > 1.5 * accepted_first
+
+
 class _ScriptedProposer:
     """Drafts from a script: the true greedy continuation with some tokens replaced by wrong
     ones (so that every acceptance length occurs), or garbage."""
@@ -239,6 +260,9 @@ def test_the_config_as_vllm_takes_it_and_its_errors(tmp_path):
         LLM(speculative_config={"method": "ngram", "prompt_lookup_mx": 3})
     with pytest.raises(ConfigError, match=r"prompt_lookup_min \(5\) must be <= prompt_lookup_max \(2\)"):
         LLM(speculative_config={"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2})
+    with pytest.raises(ConfigError, match=r"(?s)speculative.options.suffix_decoding_max_spec_factr: unknown setting"
+                       r".*accepts: suffix_decoding_max_spec_factor \(default 1.0\), suffix_decoding_max_cached_requests"):
+        LLM(speculative_config={"method": "suffix", "suffix_decoding_max_spec_factr": 2})
 
 
 @pytest.mark.slow
