@@ -15,7 +15,9 @@ and the state reached by the whole sequence links to the state of its longest su
 also ends earlier. Per request: its own automaton, extended by the tokens that arrived since
 the previous step, and a matching state in the shared automaton of cached outputs, advanced
 by the same tokens. Nothing is rescanned; the shared automaton is rebuilt from the newest half
-of the cache when the cache is full (amortised O(1) per cached token).
+of the cache when the cache is full, in requests or in ``MAX_CACHED_TOKENS`` (amortised O(1)
+per cached token); a request's match in it is found again, from its last ``REMATCH_TOKENS``
+tokens, the next time the request is asked after the cache changed.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from paged.core.speculative import DraftRequest, ProposerContext
 
 RECENT_DEPTH = 8  # suffix-link steps per token that refresh "latest occurrence" (below: an older one)
 REMATCH_TOKENS = 64  # how much of a request's end is matched again when the shared automaton changes
+MAX_CACHED_TOKENS = 65_536  # the cache's bound in tokens too (~2 states of a dict each: tens of MB)
 
 
 class SuffixOptions(BaseModel):
@@ -117,7 +120,7 @@ class SuffixAutomaton:
 
 
 class _RequestState:
-    __slots__ = ("view", "own", "seen", "shared_state", "shared_matched")
+    __slots__ = ("view", "own", "seen", "shared_state", "shared_matched", "shared_version")
 
     def __init__(self, view: DraftRequest) -> None:
         self.view = view
@@ -125,6 +128,7 @@ class _RequestState:
         self.seen = 0  # tokens of the request fed to both automata
         self.shared_state = 0
         self.shared_matched = 0
+        self.shared_version = 0  # the shared automaton's version the match was made in
 
 
 class SuffixProposer:
@@ -137,6 +141,8 @@ class SuffixProposer:
         self._shared = SuffixAutomaton()
         self._corpus: list[int] = []  # the cached outputs, each ended by its own negative separator
         self._separator = 0
+        self._cached_tokens = 0
+        self._version = 0  # changes whenever the shared automaton does
 
     def propose(self, requests: Sequence[DraftRequest], num_tokens: int) -> list[list[int]]:
         return [self._propose_one(r, num_tokens) for r in requests]
@@ -147,6 +153,11 @@ class SuffixProposer:
             state = self._requests[request.request_id] = _RequestState(request)
         ids = request.token_ids
         length = len(ids)
+        if state.shared_version != self._version:
+            s = matched = 0
+            for token in ids[max(0, state.seen - REMATCH_TOKENS):state.seen]:
+                s, matched = self._shared.step(s, matched, token)
+            state.shared_state, state.shared_matched, state.shared_version = s, matched, self._version
         if state.seen < length:
             own, shared = state.own, self._shared
             s, matched = state.shared_state, state.shared_matched
@@ -171,7 +182,6 @@ class SuffixProposer:
         return draft
 
     def forget(self, request_ids: Iterable[str]) -> None:
-        changed = False
         for request_id in request_ids:
             state = self._requests.pop(request_id, None)
             if state is None or self.max_cached == 0:
@@ -179,20 +189,17 @@ class SuffixProposer:
             output = list(state.view.token_ids[state.view.num_prompt_tokens:])
             if output:
                 self._cached.append(output)
+                self._cached_tokens += len(output)
                 self._add_to_shared(output)
-                changed = True
-        if len(self._cached) > self.max_cached:
-            while len(self._cached) > max(1, self.max_cached // 2):
-                self._cached.popleft()
+                self._version += 1
+        if len(self._cached) > self.max_cached or self._cached_tokens > MAX_CACHED_TOKENS:
+            while self._cached and (len(self._cached) > self.max_cached // 2
+                                    or self._cached_tokens > MAX_CACHED_TOKENS // 2):
+                self._cached_tokens -= len(self._cached.popleft())
             self._shared, self._corpus = SuffixAutomaton(), []
             for output in self._cached:
                 self._add_to_shared(output)
-        if changed:  # the live requests' matches are found again in the changed automaton
-            for state in self._requests.values():
-                s = matched = 0
-                for token in state.view.token_ids[max(0, state.seen - REMATCH_TOKENS):state.seen]:
-                    s, matched = self._shared.step(s, matched, token)
-                state.shared_state, state.shared_matched = s, matched
+            self._version += 1
 
     def _add_to_shared(self, output: list[int]) -> None:
         self._separator -= 1

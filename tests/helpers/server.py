@@ -93,7 +93,7 @@ def serve(args: list[str], tmp: Path, port: int, env: dict[str, str] | None = No
             except httpx.HTTPError:
                 return False
 
-        wait_for(healthy, 600, "/health to return 200", interval=0.5)
+        wait_for(healthy, 600, "/health to return 200", interval=0.1)
         yield server
     finally:
         if proc.poll() is None:

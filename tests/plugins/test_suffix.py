@@ -134,3 +134,16 @@ def test_without_a_cache_only_the_request_itself_is_matched():
     proposer.forget(["a"])
     assert proposer.propose([DraftRequest(_Req("b", [7, 8]))], 4) == [[]]
     assert not proposer._cached and proposer._requests.keys() == {"b"}
+
+
+def test_the_cache_is_bounded_in_tokens_too(monkeypatch):
+    import paged.plugins.suffix as suffix_module
+
+    monkeypatch.setattr(suffix_module, "MAX_CACHED_TOKENS", 10)
+    proposer = SuffixProposer(SuffixOptions())
+    for i in range(3):  # 12 tokens > 10: the cache drops to at most 5, the newest output
+        proposer.propose([DraftRequest(_Req(f"r{i}", [1], [10 * i + t for t in range(4)]))], 4)
+        proposer.forget([f"r{i}"])
+    assert list(proposer._cached) == [[20, 21, 22, 23]] and proposer._cached_tokens == 4
+    assert proposer.propose([DraftRequest(_Req("q", [99, 20, 21]))], 4) == [[22, 23]]
+    assert proposer.propose([DraftRequest(_Req("p", [99, 0, 1]))], 4) == [[]]
