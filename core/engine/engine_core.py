@@ -21,14 +21,15 @@ from typing import Callable, Iterable
 from paged.core.config import EngineConfig, check_quantization, resolve_plugins, resolve_structured_output
 from paged.core.engine.grammar import StructuredOutputManager
 from paged.core.engine.kv_cache_manager import KVCacheManager
-from paged.core.engine.model_info import ModelInfo  # noqa: F401  (its old home: importers of it from here keep working)
-from paged.core.engine.pooling import NOT_A_GENERATING_ENGINE, NOT_A_POOLING_ENGINE, resolve_pooling
+from paged.core.engine.model_info import ModelInfo
+from paged.core.engine.pooling import resolve_pooling
 from paged.core.engine.outputs import EngineCoreOutput, EngineCoreRequest
 from paged.core.engine.request import Request, RequestStatus
 from paged.core.engine.scheduler import Scheduler, SchedulerOutput
 from paged.core.engine.plugin_faults import PluginCode, describe, log_fault, plugin_code
 from paged.core.errors import EngineError, InvalidRequestError, RequestRejectedError
 from paged.core.loading.model_config import resolve_model
+from paged.core.pooling_params import NOT_A_GENERATING_ENGINE, NOT_A_POOLING_ENGINE
 
 logger = logging.getLogger("paged")
 

@@ -1,7 +1,7 @@
-"""The engine core's two per-request messages (and ``TokenLogprobs``, which outputs carry), each the one type used both in-process and on
+"""The engine core's two per-request messages, each the one type used both in-process and on
 the wire between an engine-core process and its front-end: ``EngineCoreRequest`` (what a
 front-end adds; ``EngineCore.add_request`` builds the engine's ``Request`` from it) and
-``EngineCoreOutput`` (what one step reports per request)."""
+``EngineCoreOutput`` (what one step reports per request, with its ``TokenLogprobs``)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,6 @@ import torch
 
 from paged.core.errors import ConfigError, ModelLoadError
 from paged.core.pooling import PoolerContext, checkpoint_pooling
-from paged.core.pooling_params import NOT_A_GENERATING_ENGINE, NOT_A_POOLING_ENGINE  # noqa: F401  (their old home)
 
 HEAD_WEIGHTS = ("score.weight", "score.bias")  # a *ForSequenceClassification checkpoint's head
 

@@ -50,7 +50,7 @@ from typing import Iterable
 
 import torch
 
-from paged.core.engine.outputs import TokenLogprobs  # noqa: F401  (defined with the wire messages; importable from here as before)
+from paged.core.engine.outputs import TokenLogprobs
 from paged.core.engine.plugin_faults import describe, log_fault
 from paged.core.engine.request import Request
 

@@ -45,6 +45,13 @@ def test_the_front_end_imports_no_engine_and_no_torch():
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
 
+def test_the_tensor_helpers_old_import_path_still_works():
+    from paged.core import tensors
+    from paged.core.utils import ScratchBuffers, zeros_untouched
+
+    assert ScratchBuffers is tensors.ScratchBuffers and zeros_untouched is tensors.zeros_untouched
+
+
 def test_phases_exclude_what_is_timed_inside_them(monkeypatch, caplog):
     monkeypatch.setattr(startup_times, "enabled", True)
     clock = iter([0.0, 1.0, 3.0, 10.0])  # outer starts, inner starts, inner ends, outer ends
