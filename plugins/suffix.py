@@ -167,14 +167,13 @@ class SuffixProposer:
             state.seen, state.shared_state, state.shared_matched = length, s, matched
         own_len, own_end = state.own.earlier_match()
         if state.shared_matched > own_len:
-            match_len = state.shared_matched
-            source, start, stop = self._corpus, self._shared.end[state.shared_state] + 1, len(self._corpus)
+            match_len, source, start = state.shared_matched, self._corpus, self._shared.end[state.shared_state] + 1
         elif own_len > 0:
-            match_len, source, start, stop = own_len, ids, own_end + 1, length
+            match_len, source, start = own_len, ids, own_end + 1
         else:
             return []
         count = min(num_tokens, max(1, int(self.spec_factor * match_len)))
-        draft = source[start:min(start + count, stop)]
+        draft = source[start:start + count]  # a slice: it stops at the sequence's end
         if source is self._corpus:  # up to the end of that cached output
             for i, token in enumerate(draft):
                 if token < 0:
@@ -193,7 +192,7 @@ class SuffixProposer:
                 self._add_to_shared(output)
                 self._version += 1
         if len(self._cached) > self.max_cached or self._cached_tokens > MAX_CACHED_TOKENS:
-            while self._cached and (len(self._cached) > self.max_cached // 2
+            while self._cached and (len(self._cached) > max(1, self.max_cached // 2)
                                     or self._cached_tokens > MAX_CACHED_TOKENS // 2):
                 self._cached_tokens -= len(self._cached.popleft())
             self._shared, self._corpus = SuffixAutomaton(), []

@@ -128,6 +128,15 @@ def test_a_match_never_runs_from_one_cached_output_into_the_next():
     assert proposer.propose([DraftRequest(_Req("c", [300, 9, 10]))], 4) == [[11]]
 
 
+def test_a_cache_of_one_keeps_the_newest_output():
+    proposer = SuffixProposer(SuffixOptions(suffix_decoding_max_cached_requests=1))
+    for name, output in (("a", [7, 8, 9]), ("b", [10, 11, 12])):
+        proposer.propose([DraftRequest(_Req(name, [1], list(output)))], 4)
+        proposer.forget([name])
+    assert list(proposer._cached) == [[10, 11, 12]]
+    assert proposer.propose([DraftRequest(_Req("c", [300, 10]))], 4) == [[11]]
+
+
 def test_without_a_cache_only_the_request_itself_is_matched():
     proposer = SuffixProposer(SuffixOptions(suffix_decoding_max_cached_requests=0))
     proposer.propose([DraftRequest(_Req("a", [1], [7, 8, 9, 10]))], 4)
