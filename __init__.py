@@ -6,10 +6,11 @@ The offline API lives here; everything else is under ``paged.core`` (contracts a
 
 __version__ = "0.1.0"
 
+from paged.core.lora import LoRARequest  # noqa: E402
 from paged.core.pooling_params import PoolingParams  # noqa: E402
 from paged.core.sampling_params import SamplingParams  # noqa: E402
 
-__all__ = ["LLM", "PoolingParams", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "PoolingParams", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):

@@ -20,7 +20,7 @@ import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -35,6 +35,20 @@ logger = logging.getLogger("paged")
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _text_list(value: Any, split: Callable[[str], list[str]]) -> Any:
+    """A list setting given as text (a flag, a ``PAGED_*`` variable): a JSON list, else
+    ``split(text)``; a value that is not text is left to the field's own validation."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if text.startswith("["):
+        try:
+            return json.loads(text)
+        except ValueError:
+            return value
+    return split(text)
 
 
 class ModelConfig(_Section):
@@ -195,15 +209,7 @@ class PoolingConfig(_Section):
     @classmethod
     def _token_list(cls, value: Any) -> Any:
         """A flag's or variable's text: a JSON list, or words separated by commas."""
-        if isinstance(value, str):
-            text = value.strip()
-            if text.startswith("["):
-                try:
-                    return json.loads(text)
-                except ValueError:
-                    return value
-            return [w for w in text.split(",") if w]
-        return value
+        return _text_list(value, lambda text: [w for w in text.split(",") if w])
 
     @field_validator("classifier_from_tokens")
     @classmethod
@@ -219,6 +225,82 @@ class PoolingConfig(_Section):
             if name not in value:
                 raise ValueError(f"must contain {name}")
         return value
+
+
+class LoRAConfig(_Section):
+    """LoRA adapters served over the base model (``paged.core.lora``), as vLLM's flags name them."""
+
+    enable_lora: bool = Field(False, description="serve LoRA adapters (PEFT checkpoints) over the base model")
+    max_loras: int = Field(1, ge=1, description="most distinct adapters in one step (each linear layer holds this "
+                           "many adapter slots)")
+    max_lora_rank: int = Field(16, ge=1, le=512, description="largest adapter rank accepted (the slots' size)")
+    max_cpu_loras: int | None = Field(
+        None, ge=1, description="adapters kept in memory, least recently used dropped (read again from their "
+        "folder when asked for); unset = max(max_loras, 8)",
+    )
+    lora_modules: list[str] = Field(
+        default_factory=list, description="adapters served from the start, each NAME=PATH (or a JSON object with "
+        "name and path); clients choose one by its name as the request's model",
+    )
+    kernel: str = Field("auto", description="LoRA kernel plugin: cpu (C++), torch or a plugin's; auto = the best "
+                        "available")
+    options: dict[str, Any] = Field(default_factory=dict, description="the kernel's typed options")
+    allow_runtime_lora_updating: bool = Field(
+        False, description="/v1/load_lora_adapter and /v1/unload_lora_adapter (needs server.api_key and "
+        "lora.lora_adapter_dir)",
+    )
+    lora_adapter_dir: str | None = Field(
+        None, description="runtime-loaded adapters must lie inside this folder (no path outside it is read)"
+    )
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _module_list(cls, value: Any) -> Any:
+        """A flag's or variable's text: a JSON list, or NAME=PATH items separated by spaces."""
+        return _text_list(value, str.split)
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _each_module(cls, value: list[str]) -> list[str]:
+        names = [parse_lora_module(item)[0] for item in value]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"the adapter name {repeated[0]!r} is given twice; each name must be unique")
+        return value
+
+    def module_requests(self) -> list[Any]:
+        """``lora_modules`` as ``LoRARequest``s, ids 1, 2, ... in order, paths made absolute (every
+        engine core reads them at start-up; runtime-loaded adapters get the ids after these)."""
+        from paged.core.lora import LoRARequest
+
+        return [LoRARequest(name, i, str(Path(path).expanduser().absolute()))
+                for i, (name, path) in enumerate(map(parse_lora_module, self.lora_modules), start=1)]
+
+    @property
+    def cpu_loras(self) -> int:
+        """Adapters kept in memory (``max_cpu_loras``, at least ``max_loras``)."""
+        return max(self.max_cpu_loras or max(self.max_loras, 8), self.max_loras)
+
+
+def parse_lora_module(item: Any) -> tuple[str, str]:
+    """One ``lora.lora_modules`` entry as (name, path): ``NAME=PATH``, or a JSON object (or dict)
+    with ``name`` and ``path`` (vLLM's two forms). Raises ValueError saying what is accepted."""
+    if isinstance(item, str) and item.lstrip().startswith("{"):
+        try:
+            item = json.loads(item)
+        except ValueError as e:
+            raise ValueError(f"{item!r} is not valid JSON ({e}); give NAME=PATH or {{\"name\": ..., \"path\": ...}}") from None
+    if isinstance(item, dict):
+        name, path = item.get("name"), item.get("path")
+    elif isinstance(item, str):
+        name, sep, path = item.partition("=")
+        if not sep:
+            name = path = None
+    else:
+        name = path = None
+    if not isinstance(name, str) or not name.strip() or not isinstance(path, str) or not path.strip():
+        raise ValueError(f"{item!r} is not an adapter; give NAME=PATH or {{\"name\": ..., \"path\": ...}}")
+    return name.strip(), path.strip()
 
 
 class ServerConfig(_Section):
@@ -321,6 +403,7 @@ class EngineConfig(BaseSettings):
     structured_output: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     pooling: PoolingConfig = Field(default_factory=PoolingConfig)
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
 
     @classmethod
@@ -390,7 +473,7 @@ def check_environment(environ: dict[str, str] | None = None) -> list[str]:
     ignored: pydantic-settings only reads the names it knows); returns the warnings."""
     environ = os.environ if environ is None else environ
     known = {_env_name(k) for k in config_keys()} | set(OTHER_ENV_VARS)
-    options = ("PAGED_SCHEDULER__POLICY_OPTIONS__", "PAGED_ATTENTION__OPTIONS__")
+    options = ("PAGED_SCHEDULER__POLICY_OPTIONS__", "PAGED_ATTENTION__OPTIONS__", "PAGED_LORA__OPTIONS__")
     warnings = []
     for name in sorted(environ):
         if not name.startswith("PAGED_") or name in known or name.startswith(options):
@@ -447,6 +530,7 @@ FLAG_ALIASES = {
     ("speculative", "min_acceptance_rate"): "speculative-min-acceptance-rate",
     ("pooling", "normalize"): "pooling-normalize",
     ("pooling", "max_dimensions"): "pooling-max-dimensions",
+    ("lora", "kernel"): "lora-kernel",
 }
 
 
@@ -531,23 +615,30 @@ def resolve_plugins(config: EngineConfig, registry=None, device: str = "cpu") ->
     registry = registry or get_registry()
     policy = registry.policy(config.scheduler.policy)
     policy_options = validate_options(policy, config.scheduler.policy_options, "scheduler.policy_options")
-    if config.attention.backend == "auto":
-        ranked = sorted(registry.attention_backends.values(), key=lambda s: -s.auto_priority)
-        usable = [s for s in ranked if s.is_available(device)[0]]
-        if not usable:
-            raise ConfigError(f"attention.backend: no backend is available on {device!r}")
-        attention = usable[0]
-    else:
-        attention = registry.attention_backend(config.attention.backend)
-        ok, reason = attention.is_available(device)
-        if not ok:
-            working = [s.name for s in registry.attention_backends.values() if s.is_available(device)[0]]
-            raise ConfigError(
-                f"attention.backend: {attention.name!r} cannot run here: {reason}. "
-                f"Backends that work on this machine: {', '.join(working) or '(none)'}."
-            )
+    attention = choose_available(registry.attention_backends, config.attention.backend, registry.attention_backend,
+                                 "attention.backend", "backend", device)
     attention_options = validate_options(attention, config.attention.options, "attention.options")
     return ResolvedPlugins(policy, policy_options, attention, attention_options)
+
+
+def choose_available(specs: dict[str, Any], name: str, lookup: Callable[[str], Any], field: str, noun: str,
+                     device: str) -> Any:
+    """The spec ``name`` names (``lookup``: the registry's, which explains an unknown name), or
+    with ``auto`` the one of ``specs`` available on ``device`` with the highest ``auto_priority``;
+    ConfigError naming ``field`` when it cannot run here."""
+    if name == "auto":
+        ranked = sorted(specs.values(), key=lambda s: -s.auto_priority)
+        usable = [s for s in ranked if s.is_available(device)[0]]
+        if not usable:
+            raise ConfigError(f"{field}: no {noun} is available on {device!r}")
+        return usable[0]
+    spec = lookup(name)
+    ok, reason = spec.is_available(device)
+    if not ok:
+        working = [s.name for s in specs.values() if s.is_available(device)[0]]
+        raise ConfigError(f"{field}: {spec.name!r} cannot run here: {reason}. "
+                          f"{noun.capitalize()}s that work on this machine: {', '.join(working) or '(none)'}.")
+    return spec
 
 
 def resolve_structured_output(config: EngineConfig, registry=None) -> tuple[Any, BaseModel | None]:

@@ -17,8 +17,8 @@ The contracts the specs' factories meet: ``paged.core.policy`` (scheduling polic
 backends for structured outputs), ``paged.core.quantization`` (weight-only quantization
 methods; ``QuantizationMethodSpec`` is re-exported here), ``paged.core.model`` (model
 architectures; ``AttentionShape``, ``CausalLM`` and ``ModelClass`` are re-exported here) and
-``paged.core.speculative`` (speculative-decoding proposers) and ``paged.core.pooling`` (poolers of
-the pooling runner: embeddings).
+``paged.core.speculative`` (speculative-decoding proposers), ``paged.core.pooling`` (poolers of
+the pooling runner: embeddings) and ``paged.core.lora`` (the kernels that apply LoRA adapters).
 
 What a plugin's code may raise while the engine serves, and what the engine then does (the
 request ends with an error, or the engine stops), is in ``paged.core.engine.plugin_faults``. A model plugin builds
@@ -40,7 +40,7 @@ from paged.core.quantization import QuantizationMethodSpec
 
 __all__ = [
     "AttentionBackendSpec", "AttentionShape", "CausalLM", "ModelClass", "ModelSpec", "PagedHookSpecs",
-    "PolicySpec", "PoolerSpec", "QuantizationMethodSpec", "SpeculativeProposerSpec", "StructuredOutputBackendSpec", "hookimpl",
+    "LoRAKernelSpec", "PolicySpec", "PoolerSpec", "QuantizationMethodSpec", "SpeculativeProposerSpec", "StructuredOutputBackendSpec", "hookimpl",
     "hookspec",
 ]
 
@@ -141,6 +141,22 @@ class PoolerSpec:
     description: str = ""
 
 
+@dataclass(frozen=True)
+class LoRAKernelSpec:
+    """A kernel that adds the requests' LoRA adapters to a linear layer's output (see
+    paged.core.lora), selected by ``lora.kernel``: ``factory(options, context) -> LoRAKernel``,
+    built once per engine core when LoRA is enabled. ``is_available(device)`` returns ``(ok,
+    reason)``, cheap and never raising: whether ``lora.kernel=auto`` may pick it (the available
+    kernel with the highest ``auto_priority`` wins) and what error selecting it gives."""
+
+    name: str
+    factory: Callable[..., Any]
+    options: type[BaseModel] | None = None
+    description: str = ""
+    is_available: Callable[[str], tuple[bool, str]] = field(default=lambda device: (True, ""))
+    auto_priority: int = 0
+
+
 class PagedHookSpecs:
     @hookspec
     def register_policies(self) -> list[PolicySpec]:
@@ -173,3 +189,8 @@ class PagedHookSpecs:
     def register_poolers(self) -> list[PoolerSpec]:
         """Return the poolers this plugin provides, selected by ``pooling.pooler`` (contract:
         ``paged.core.pooling``)."""
+
+    @hookspec
+    def register_lora_kernels(self) -> list[LoRAKernelSpec]:
+        """Return the LoRA kernels this plugin provides, selected by ``lora.kernel`` (contract:
+        ``paged.core.lora``)."""

@@ -31,6 +31,7 @@ from paged.core.hookspecs import (
     ENTRY_POINT_GROUP,
     PROJECT,
     AttentionBackendSpec,
+    LoRAKernelSpec,
     ModelSpec,
     PagedHookSpecs,
     PolicySpec,
@@ -50,6 +51,7 @@ _KINDS = {
     "register_quantization_methods": ("quantization_methods", "name"),
     "register_speculative_proposers": ("speculative_proposers", "name"),
     "register_poolers": ("poolers", "name"),
+    "register_lora_kernels": ("lora_kernels", "name"),
 }
 
 
@@ -90,6 +92,7 @@ class Registry:
     quantization_methods: dict[str, QuantizationMethodSpec] = field(default_factory=dict)
     speculative_proposers: dict[str, SpeculativeProposerSpec] = field(default_factory=dict)
     poolers: dict[str, PoolerSpec] = field(default_factory=dict)
+    lora_kernels: dict[str, LoRAKernelSpec] = field(default_factory=dict)
     owner: dict[tuple[str, str], str] = field(default_factory=dict)  # (kind, name) -> plugin
     plugins: list[PluginInfo] = field(default_factory=list)
     # (kind, name) -> every plugin registering it; such names are not in the tables above
@@ -137,6 +140,9 @@ class Registry:
 
     def pooler(self, name: str) -> PoolerSpec:
         return self._lookup("poolers", "pooling.pooler", name)
+
+    def lora_kernel(self, name: str) -> LoRAKernelSpec:
+        return self._lookup("lora_kernels", "lora.kernel", name)
 
     def model(self, architecture: str) -> ModelSpec:
         try:

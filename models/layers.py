@@ -89,14 +89,21 @@ class Linear(nn.Module):
 
     packed_weight: torch.Tensor | None = None  # set by prepack_cpu_linears
     qweight: QuantizedWeight | None = None  # set by quantize_weights
+    # The layer's LoRA adapter slots (paged.core.engine.lora_manager.LayerLoRA), set when LoRA is
+    # enabled: in a step where some rows have an adapter, _linear adds them to its output.
+    lora: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.qweight is not None:  # the same as _linear, one call less (a decode step makes 120)
+        if self.qweight is not None and self.lora is None:  # _linear, one call less (a decode step makes 120)
             return self.qweight.linear(x, self.bias)
         return self._linear(x, self.bias)
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return linear(x, self.weight, self.packed_weight, bias, self.qweight)
+        y = linear(x, self.weight, self.packed_weight, bias, self.qweight)
+        lora = self.lora
+        if lora is not None and lora.batch.token_slots is not None:
+            lora.kernel.apply(y, x, lora.weights, lora.batch)  # in place, every row at once (paged.core.lora)
+        return y
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -115,9 +122,10 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            if self.qweight is not None:
+            if self.qweight is not None and self.lora is None:
                 return self.qweight.linear(x, self.bias)
             return self._linear(x, self.bias)
+        # each rank adds its input columns' share of the adapters: the all-reduce sums them too
         return self.tp.all_reduce(self._linear(x, self.bias if self.tp.is_first else None))
 
     def checkpoint_slices(self, name: str) -> dict[str, CheckpointSlice]:

@@ -95,6 +95,9 @@ def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("
         if flag.annotation is bool:
             group.add_argument(f"--{flag.name}", dest=dest, action=argparse.BooleanOptionalAction,
                                default=argparse.SUPPRESS, help=help_text)
+        elif flag.annotation == list[str]:  # vLLM's form: --lora-modules a=PATH b=PATH
+            group.add_argument(f"--{flag.name}", dest=dest, nargs="+", default=argparse.SUPPRESS, help=help_text,
+                               metavar="TEXT")
         else:
             group.add_argument(f"--{flag.name}", dest=dest, default=argparse.SUPPRESS, help=help_text,
                                metavar=_metavar(flag.annotation))

@@ -67,10 +67,12 @@ def _device_for_check(config: EngineConfig) -> str:
 def add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompts", nargs="*", help="prompts (default: --prompts-file, else stdin lines)")
     parser.add_argument("--prompts-file", help="one prompt per line, or JSONL objects with 'prompt' or "
-                        "'messages' and per-prompt sampling fields and 'priority'")
+                        "'messages' and per-prompt sampling fields, 'priority' and 'lora'")
     parser.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of text")
     parser.add_argument("--priority", type=int, default=0, help="priority of every prompt (lower runs first)")
+    parser.add_argument("--lora", metavar="NAME", help="run every prompt with this LoRA adapter of --lora-modules "
+                        "(JSONL prompts may name their own: 'lora')")
     parser.add_argument("--record-trace", metavar="PATH", help="write what was served as a lab trace (JSONL; "
                         "see `paged lab replay`)")
     add_sampling_flags(parser, "sampling (defaults: greedy, 128 tokens; see README: Sampling defaults)")
@@ -150,7 +152,7 @@ def _sampling_params(items: list[dict[str, Any]], defaults: dict[str, Any]) -> l
 
     out = []
     for number, item in enumerate(items, 1):
-        fields = {k: v for k, v in item.items() if k not in ("prompt", "messages", "priority")}
+        fields = {k: v for k, v in item.items() if k not in ("prompt", "messages", "priority", "lora")}
         try:
             out.append(SamplingParams.from_dict({**defaults, **fields}))
         except (InvalidRequestError, TypeError) as e:
@@ -163,8 +165,13 @@ def _run_prompts(args: argparse.Namespace, engine, items: list[dict[str, Any]], 
     from paged.core.frontend.outputs import RequestOutputKind
 
     ids, prompts, served = [], [], []  # served: (params, priority) per request, for --record-trace
-    for item, params in zip(items, params_list):
+    adapters = {r.lora_name: r for r in engine.config.lora.module_requests()}
+    for number, (item, params) in enumerate(zip(items, params_list), 1):
         priority = item.get("priority", args.priority)
+        lora = item.get("lora", args.lora)
+        if lora is not None and lora not in adapters:
+            where = "--lora" if "lora" not in item else f"prompt {number}: lora"
+            raise PagedError(f"{where}: no adapter {lora!r} in --lora-modules ({', '.join(adapters) or 'none given'})")
         if "messages" in item:
             prompt = engine.apply_chat_template(item["messages"])
             special = False
@@ -174,7 +181,8 @@ def _run_prompts(args: argparse.Namespace, engine, items: list[dict[str, Any]], 
                 prompt = engine.apply_chat_template([{"role": "user", "content": prompt}])
             special = not args.chat
         ids.append(engine.add_request(None, prompt, params, priority=priority, add_special_tokens=special,
-                                      output_kind=RequestOutputKind.FINAL_ONLY))  # only the end is printed
+                                      output_kind=RequestOutputKind.FINAL_ONLY,  # only the end is printed
+                                      lora_request=adapters[lora] if lora is not None else None))
         prompts.append(prompt)
         served.append((params, priority))
 

@@ -27,11 +27,14 @@ from paged.core.engine.outputs import EngineCoreOutput, EngineCoreRequest
 from paged.core.engine.request import Request, RequestStatus
 from paged.core.engine.scheduler import Scheduler, SchedulerOutput
 from paged.core.engine.plugin_faults import PluginCode, describe, log_fault, plugin_code
-from paged.core.errors import EngineError, InvalidRequestError, RequestRejectedError
+from paged.core.errors import ConfigError, EngineError, InvalidRequestError, RequestRejectedError
 from paged.core.loading.model_config import resolve_model
+from paged.core.lora import LoRARequest
 from paged.core.pooling_params import NOT_A_GENERATING_ENGINE, NOT_A_POOLING_ENGINE
 
 logger = logging.getLogger("paged")
+
+LORA_DISABLED = "lora_request: LoRA adapters are not enabled in this engine; start it with --enable-lora (lora.enable_lora)"
 
 
 @dataclass
@@ -126,6 +129,16 @@ class EngineCore:
             self.runner.sampler.grammar_code = self.plugin_code[-1]
         self.speculator = self._speculator(config, registry, *speculative) if speculative else None
         self.scheduler.speculator = self.speculator
+        self.lora = self.runner.lora  # the LoRA adapters (paged.core.engine.lora_manager), or None
+        if self.lora is not None:
+            self.scheduler.max_loras = config.lora.max_loras
+            self.lora.in_use = self._loras_in_use
+            self.model_info.max_loras = config.lora.max_loras
+            self.model_info.max_lora_rank = config.lora.max_lora_rank
+            for lora_request in config.lora.module_requests():  # --lora-modules: read and checked now
+                self.lora.add(lora_request)
+        elif config.lora.lora_modules:
+            raise ConfigError("lora.lora_modules: adapters are given but LoRA is off; add --enable-lora")
         self.dead: str | None = None  # set when a fatal failure stopped the engine
         # Constrained requests whose matcher is being built: outside the scheduler until ready.
         self.compiling: dict[str, tuple[Request, Future]] = {}
@@ -208,6 +221,7 @@ class EngineCore:
         if isinstance(request, EngineCoreRequest):
             request = request.to_request()
         self._check_runner(request)
+        self._check_lora(request)
         params = request.sampling_params.structured_output
         if params is None:
             self.scheduler.add_request(request)
@@ -216,6 +230,41 @@ class EngineCore:
             raise InvalidRequestError(f"request_id: {request.request_id!r} is already in use")
         self.scheduler.check_request(request.num_prompt_tokens, request.max_tokens)
         self.compiling[request.request_id] = (request, self.structured_output.submit(params))
+
+    # --- LoRA adapters (paged.core.lora) ----------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register an adapter: read and check it now (InvalidRequestError naming the file and the
+        field), so that no step reads a file. True once it is held."""
+        if self.dead is not None:
+            raise EngineError(self.dead)
+        if self.lora is None:
+            raise InvalidRequestError(LORA_DISABLED)
+        self.lora.add(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter once no unfinished request uses it; False if it is not held."""
+        return self.lora is not None and self.lora.remove(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [] if self.lora is None else self.lora.list()
+
+    def _loras_in_use(self) -> set[int]:
+        """The adapters of the unfinished requests (the manager never drops those)."""
+        ids = {r.lora_int_id for r in self.scheduler.requests.values()}
+        ids.update(r.lora_int_id for r, _ in self.compiling.values())
+        ids.discard(0)
+        return ids
+
+    def _check_lora(self, request: Request) -> None:
+        """A request's adapter is held (read again if it was dropped from memory)."""
+        if request.lora_request is None:
+            return
+        if self.lora is None:
+            raise InvalidRequestError(LORA_DISABLED)
+        if request.pooling_params is not None:
+            raise InvalidRequestError("lora_request: LoRA adapters apply to generation, not to the pooling runner")
+        self.lora.add(request.lora_request)
 
     def _check_runner(self, request: Request) -> None:
         """The pooling runner takes pooling requests only, the generate runner generating ones."""
@@ -289,6 +338,8 @@ class EngineCore:
                 self.speculator.propose(self.scheduler.running)
             except EngineError as e:
                 raise self._stop(e, "propose") from None
+        if self.lora is not None and self.lora.removed:  # unloaded adapters whose last request ended
+            self.lora.trim()
         stats = self.stats
         stats.num_steps += 1
         stats.num_preemptions += len(scheduler_output.preempted_request_ids)

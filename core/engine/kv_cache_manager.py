@@ -35,14 +35,16 @@ PLACEHOLDER_BLOCK = KVCacheBlock(0)
 
 
 def extend_block_hashes(hashes: list[bytes], token_ids: list[int], block_size: int,
-                        cache_salt: str | None = None) -> list[bytes]:
+                        cache_salt: str | None = None, lora_int_id: int = 0) -> list[bytes]:
     """Extend ``hashes`` (the chained hashes of the first ``len(hashes)`` full blocks of
     ``token_ids``) to every full block, and return it. The one definition of a prefix-cache key:
-    block i's hash chains block i-1's; the cache salt goes into block 0's only. The data-parallel
-    router (paged.core.frontend.dp_router) uses it too, so that its keys are the cores' keys."""
+    block i's hash chains block i-1's; the cache salt and the LoRA adapter's id (the KV of a prompt
+    depends on the adapter) go into block 0's only. The data-parallel router
+    (paged.core.frontend.dp_router) uses it too, so that its keys are the cores' keys."""
+    first = tuple(key for key in (cache_salt, f"lora:{lora_int_id}" if lora_int_id else None) if key)
     for i in range(len(hashes), len(token_ids) // block_size):
         parent = hashes[i - 1] if i else None
-        extra = (cache_salt,) if i == 0 and cache_salt else ()
+        extra = first if i == 0 else ()
         hashes.append(hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], extra))
     return hashes
 
@@ -95,7 +97,8 @@ class KVCacheManager:
     def update_block_hashes(self, request: Request) -> None:
         """Extend ``request.block_hashes`` to every full block of its known tokens."""
         if self.enable_caching:
-            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt)
+            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt,
+                                request.lora_int_id)
 
     def get_computed_blocks(self, request: Request, record_stats: bool = True) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of a waiting request: (blocks, number of tokens).

@@ -24,3 +24,6 @@ class ModelInfo:
     # what a request needs of the cache (scheduler.check_request_fits)
     sliding_window: int | None = None
     max_num_batched_tokens: int = 0
+    # LoRA (lora.enable_lora): the most adapters in one step (0: LoRA is off) and the largest rank
+    max_loras: int = 0
+    max_lora_rank: int = 0

@@ -31,7 +31,7 @@ runs the same forward; rank 0 receives the gathered logits and samples. The othe
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -73,7 +73,9 @@ class StepResult:
     pooled: dict[str, bytes] | None = None
 
 
-_HEADER = 6  # num_reqs, num_tokens, num_decodes, max_blocks, num_logits_rows, num_prompt_rows
+# num_reqs, num_tokens, num_decodes, max_blocks, num_logits_rows, num_prompt_rows, num_lora_loads, has_lora_slots
+_HEADER = 8
+_NO_LORA_LOADS = np.zeros((0, 2), dtype=np.int64)
 PROMPT_LOGITS_SLICE = 512  # prompt-logprob rows through the LM head at once
 
 
@@ -92,23 +94,34 @@ class StepInputs:
     logits_rows: np.ndarray  # [num_sampled + num_prompt_rows] int64
     num_draft_rows: int = 0  # of logits_rows, those at draft tokens (rank 0 only: not broadcast)
     num_prompt_rows: int = 0  # the last rows of logits_rows: prompt-logprob rows
+    # LoRA (paged.core.engine.lora_manager): each token's adapter slot (-1: none), None when no
+    # token has one; the adapters to copy into slots first, [[slot, lora_int_id], ...]
+    lora_token_slots: np.ndarray | None = None
+    lora_loads: np.ndarray = field(default_factory=lambda: _NO_LORA_LOADS)
 
     def pack(self) -> np.ndarray:
-        """One int64 array: a 6-number header, then the arrays in field order."""
+        """One int64 array: an 8-number header, then the arrays in field order."""
         num_reqs, max_blocks = self.block_table.shape
+        has_slots = self.lora_token_slots is not None
         header = [num_reqs, len(self.input_ids), self.num_decodes, max_blocks, len(self.logits_rows),
-                  self.num_prompt_rows]
+                  self.num_prompt_rows, len(self.lora_loads), int(has_slots)]
         parts = [self.input_ids, self.positions, self.query_start_loc, self.seq_lens,
-                 self.block_table.reshape(-1), self.slot_mapping, self.logits_rows]
+                 self.block_table.reshape(-1), self.slot_mapping, self.logits_rows, self.lora_loads.reshape(-1)]
+        if has_slots:
+            parts.append(self.lora_token_slots)
         return np.concatenate([np.asarray(header, dtype=np.int64)] + [np.asarray(p, dtype=np.int64) for p in parts])
 
     @classmethod
     def unpack(cls, packed: np.ndarray) -> "StepInputs":
-        num_reqs, num_tokens, num_decodes, max_blocks, num_logits, num_prompt = (int(x) for x in packed[:_HEADER])
-        sizes = [num_tokens, num_tokens, num_reqs + 1, num_reqs, num_reqs * max_blocks, num_tokens, num_logits]
-        ids, pos, qsl, seq, table, slots, rows = np.split(packed[_HEADER:], np.cumsum(sizes)[:-1])
+        (num_reqs, num_tokens, num_decodes, max_blocks, num_logits, num_prompt, num_loads,
+         has_slots) = (int(x) for x in packed[:_HEADER])
+        sizes = [num_tokens, num_tokens, num_reqs + 1, num_reqs, num_reqs * max_blocks, num_tokens, num_logits,
+                 2 * num_loads]
+        ids, pos, qsl, seq, table, slots, rows, loads, lora_slots = np.split(packed[_HEADER:], np.cumsum(sizes))
         return cls(num_decodes, ids, pos, qsl.astype(np.int32), seq.astype(np.int32),
-                   table.astype(np.int32).reshape(num_reqs, max_blocks), slots, rows, num_prompt_rows=num_prompt)
+                   table.astype(np.int32).reshape(num_reqs, max_blocks), slots, rows, num_prompt_rows=num_prompt,
+                   lora_token_slots=lora_slots.astype(np.int32) if has_slots else None,
+                   lora_loads=loads.reshape(num_loads, 2))
 
 
 def _num_new_tokens(scheduled) -> int:
@@ -117,6 +130,7 @@ def _num_new_tokens(scheduled) -> int:
 
 class ModelRunner:
     pooling = None  # the pooling runner's PoolingSetup (paged.core.engine.pooling), set by the engine core
+    lora = None  # the LoRA adapters' slots (paged.core.engine.lora_manager.LoRAManager) with lora.enable_lora
 
     def __init__(self, config: EngineConfig, plugins: ResolvedPlugins, model: ResolvedModel, device: torch.device,
                  registry=None) -> None:
@@ -146,6 +160,9 @@ class ModelRunner:
                                  skip_weights=is_head_weight if model.classification_head else None)
         # every layer windowed: the KV manager frees the blocks out of the largest window
         self.kv_sliding_window = kv_sliding_window(self.model, num_layers)
+        # LoRA slots first: the layers' checkpoint shapes are read before quantization releases the weights
+        if config.lora.enable_lora:
+            self.lora = self._lora_manager(config, registry, device)
         self._quantize(config, registry, device)
         prepack = getattr(self.model, "prepack_weights", None)
         if prepack is not None and device.type == "cpu" and self.dtype == torch.bfloat16 and config.model.cpu_prepack_weights:
@@ -183,7 +200,26 @@ class ModelRunner:
         if self.tp.size > 1:  # the layers' collectives would be traced too: not measured, not supported
             logger.warning("model.compile: not used with tensor parallelism (%d ranks); running eager", self.tp.size)
             return False
+        if self.config.lora.enable_lora:  # the layers add adapters in place, step by step: not traced
+            logger.warning("model.compile: not used with LoRA adapters (lora.enable_lora); running eager")
+            return False
         return True
+
+    def _lora_manager(self, config: EngineConfig, registry, device: torch.device):
+        """The adapter slots on the model's linear layers (paged.core.engine.lora_manager)."""
+        from paged.core.engine.lora_manager import LoRAManager, resolve_lora_kernel
+
+        if registry is None:
+            from paged.core.registry import get_registry
+
+            registry = get_registry()
+        spec, kernel = resolve_lora_kernel(config, registry, device, self.dtype)
+        manager = LoRAManager(self.model, config, kernel, self.dtype, device, self.tp)
+        lora = config.lora
+        logger.info("LoRA: kernel %r, %d slot(s) of rank %d on %d layers (%.1f MiB), %d adapters kept in memory",
+                    spec.name, lora.max_loras, lora.max_lora_rank, len(manager.layers), manager.slot_bytes / 2**20,
+                    lora.cpu_loras)
+        return manager
 
     @torch.inference_mode()
     def _dummy_forward(self, num_tokens: int) -> None:
@@ -413,10 +449,13 @@ class ModelRunner:
         pool_items: list = []
         wants_prompt_logprobs: list[int] = []  # indices of requests still owed prompt logprobs
         classify = self.pooling is not None and self.pooling.classifier_token_ids is not None
+        lora_ids: list[int] | None = [] if self.lora is not None else None
         for i, s in enumerate(order):
             request = s.request
             start, n = s.num_computed_tokens, s.num_new_tokens
             rows.append(row_of[request.request_id])
+            if lora_ids is not None:
+                lora_ids.append(request.lora_int_id)
             starts.append(start)
             query_lens.append(n)
             if n == 1:
@@ -463,6 +502,9 @@ class ModelRunner:
             slot_mapping=self.input_batch.slot_mapping(token_rows, positions, self.block_size),
             logits_rows=qsl[1:][sample_index].astype(np.int64) - 1,
         )
+        if lora_ids is not None and any(lora_ids):
+            slots, inputs.lora_loads = self.lora.prepare_step(lora_ids)
+            inputs.lora_token_slots = np.repeat(slots, lens_arr)
         if draft_logits_rows is not None:
             num_draft_rows = 0
             for i in sample_index:
@@ -505,7 +547,14 @@ class ModelRunner:
         input_ids = torch.from_numpy(inputs.input_ids).to(self.device)
         positions = torch.from_numpy(inputs.positions).to(self.device)
         metadata = self.backend.build_metadata(batch)
-        hidden = self.forward_model(input_ids, positions, self.kv_caches, metadata)
+        lora = self.lora
+        if lora is not None:
+            lora.begin_step(inputs.lora_token_slots, inputs.lora_loads)
+        try:
+            hidden = self.forward_model(input_ids, positions, self.kv_caches, metadata)
+        finally:
+            if lora is not None:
+                lora.end_step()
         rows = torch.from_numpy(inputs.logits_rows).to(self.device)
         num_sampled = len(rows) - inputs.num_prompt_rows
         for first in range(num_sampled, len(rows), PROMPT_LOGITS_SLICE):
@@ -520,6 +569,9 @@ class ModelRunner:
     def run_worker_loop(self) -> None:
         """Ranks other than 0: run each step rank 0 broadcasts, until it broadcasts the stop."""
         while (packed := self.tp.broadcast_array(None)) is not None:
+            if packed[0] < 0:  # rank 0 added or removed a LoRA adapter (paged.core.engine.lora_manager)
+                self.lora.handle_control(packed)
+                continue
             self._forward(StepInputs.unpack(packed))
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import msgspec
 
 from paged.core.engine.request import Request, RequestStatus
+from paged.core.lora import LoRARequest
 from paged.core.pooling_params import PoolingParams
 from paged.core.sampling_params import SamplingParams
 
@@ -41,13 +42,14 @@ class EngineCoreRequest(msgspec.Struct, tag="add", array_like=True):
     tenant: str | None = None
     deadline: float | None = None  # absolute, time.monotonic() (the same clock in every process)
     pooling_params: PoolingParams | None = None  # a pooling request (model.runner: pooling)
+    lora_request: LoRARequest | None = None  # the adapter it runs with (paged.core.lora); None: the base model
 
     def to_request(self) -> Request:
         """The engine's own request (it copies the prompt into its growing token list)."""
         return Request(self.request_id, self.prompt_token_ids, self.sampling_params, arrival_time=self.arrival_time,
                        priority=self.priority, cache_salt=self.cache_salt, eos_token_id=self.eos_token_id,
                        max_tokens=self.max_tokens, tenant=self.tenant, deadline=self.deadline,
-                       pooling_params=self.pooling_params)
+                       pooling_params=self.pooling_params, lora_request=self.lora_request)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -47,6 +47,8 @@ class Request:
     max_tokens: int = 16  # resolved against max_model_len when added to the engine
     tenant: str | None = None  # who sent it (OpenAI ``user``), for fairness policies
     deadline: float | None = None  # absolute, on the scheduler's clock; None = no deadline
+    # A LoRA adapter (paged.core.lora.LoRARequest) or None: the base model alone
+    lora_request: Any = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -72,6 +74,7 @@ class Request:
     # prompt is computed; ``pool_every_token``: the pooler reads every prompt position's hidden state.
     pooling_params: Any = None
     pool_every_token: bool = False
+    lora_int_id: int = 0  # lora_request's id (0: none): its slot, its block hashes
     # Set by the policy at admission; compared with < (lower runs first, higher is preempted).
     sort_key: tuple = ()
     # Policy inputs the scheduler maintains (read through RequestView).
@@ -89,6 +92,8 @@ class Request:
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.all_token_ids = list(self.prompt_token_ids)
+        if self.lora_request is not None:
+            self.lora_int_id = self.lora_request.lora_int_id
         self.view = RequestView(self)  # what policies see
         self._draft_view = None
         if self.sampling_params.prompt_logprobs is not None and self.prompt_logprobs is None:

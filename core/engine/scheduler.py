@@ -17,7 +17,9 @@ One ``schedule()`` per engine step:
    prefix-cache hit skips the cached tokens. A request's first admission asks the policy's
    ``admit``: a deferred request waits (the next one tries), a rejected one finishes as
    "rejected". Admission stops at the first that does not fit, or at one displaced in step 1 (it
-   would recompute from zero what it had just computed).
+   would recompute from zero what it had just computed). With LoRA (``max_loras``), a request
+   whose adapter would make the running requests use more than ``max_loras`` adapters is passed
+   over (it waits; the requests behind it may run), so that a step fits the layers' slots.
 4. The policy's ``on_step`` gets the step's stats.
 
 A policy that raises for one request (``sort_key``, ``admit``) ends that request with finish
@@ -50,6 +52,8 @@ from paged.core.policy import MAX_DEFERRALS_PER_STEP, Admission, SchedulingPolic
 from paged.core.utils import cdiv
 
 logger = logging.getLogger("paged")
+
+MAX_LORA_SKIPS_PER_STEP = 64  # waiting requests passed over for their adapter in one step, at most
 
 
 @dataclass(slots=True)
@@ -150,6 +154,9 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
         self.speculator = None  # speculative decoding (spec_decode.Speculator), set by the engine core
+        # LoRA (lora.max_loras, set by the engine core when adapters are enabled): the running
+        # requests use at most this many distinct adapters, so that one step fits the layers' slots
+        self.max_loras: int | None = None
 
     # --- requests in and out -----------------------------------------------------------
     def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -411,6 +418,9 @@ class Scheduler:
         if self._failed:
             self._end_failed(output)
         deferred: list[Request] = []
+        # LoRA: requests whose adapter would be one too many now wait (others pass them, as in vLLM)
+        lora_ids = {r.lora_int_id for r in self.running if r.lora_int_id} if self.max_loras else None
+        passed_over: list[Request] = []
         displaced = output.preempted_request_ids[:num_displaced]
         while budget > 0 and len(self.running) < self.max_num_seqs and not preempted_in_running_loop:
             if prefill_left is not None and prefill_left <= 0:
@@ -420,6 +430,12 @@ class Scheduler:
                 break
             if request.error:  # its key failed when it became a candidate just now
                 self._end_failed(output)
+                continue
+            if (lora_ids is not None and request.lora_int_id and request.lora_int_id not in lora_ids
+                    and len(lora_ids) >= self.max_loras):
+                passed_over.append(self.waiting.pop())
+                if len(passed_over) >= MAX_LORA_SKIPS_PER_STEP:
+                    break
                 continue
             if self._admit is not None and request.first_scheduled_time is None:
                 try:
@@ -455,6 +471,8 @@ class Scheduler:
                 request.first_scheduled_time = now
             request.status = RequestStatus.RUNNING
             request.running_since = now
+            if lora_ids is not None and request.lora_int_id:
+                lora_ids.add(request.lora_int_id)
             bisect.insort(self.running, request, key=_sort_key)
             output.scheduled.append(  # its whole table: hits out of a sliding window are placeholders there
                 ScheduledRequest(request, num_cached, num_new, self.kv.get_block_ids(request.request_id))
@@ -464,7 +482,7 @@ class Scheduler:
             budget -= num_new
             if prefill_left is not None:
                 prefill_left -= num_new
-        for request in deferred:
+        for request in deferred + passed_over:
             self.waiting.push(request)
         if self._failed:
             self._end_failed(output)

@@ -24,11 +24,13 @@ combines their answers (``paged.core.frontend.dp_stats``). Any dead core makes t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
 from typing import Any, AsyncIterator, Callable, Sequence
 
+import msgspec
 import zmq
 
 from paged.core.config import EngineConfig
@@ -48,7 +50,9 @@ from paged.core.ipc.messages import (
 )
 from paged.core.errors import InvalidRequestError, PagedError, RequestRejectedError
 from paged.core.frontend.outputs import RequestOutput, RequestOutputKind
-from paged.core.frontend.processor import InputProcessor, OutputProcessor, structured_output_validator
+from paged.core.frontend.processor import (InputProcessor, OutputProcessor, check_lora_request,
+                                           structured_output_validator)
+from paged.core.lora import LoRARequest
 from paged.core.frontend.request_state import RequestState, SampleState
 from paged.core.frontend.stats_observer import StatsObserver
 from paged.core.frontend.stream import RequestStream
@@ -197,13 +201,15 @@ class AsyncLLM:
         tenant: str | None = None,
         deadline_s: float | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Validate and send a request to the core. Raises InvalidRequestError (nothing sent) or
         EngineDeadError at once; a rejection by the core (RequestRejectedError when the policy's
         admission control turns it away) comes out of the stream. A text prompt's
         ``prompt_token_ids``, when given, were tokenized by the caller (off the event loop).
         ``output_kind``: what the stream yields (``RequestOutputKind``: every step's whole output
-        so far, its increments, or the final output alone)."""
+        so far, its increments, or the final output alone). ``lora_request``: the LoRA adapter it
+        runs with (registered with ``add_lora`` first, so that a bad adapter fails there)."""
         self._check_alive()
         self._ensure_handler()
         request_id = f"req-{next(self._request_ids)}" if request_id is None else str(request_id)
@@ -212,6 +218,7 @@ class AsyncLLM:
         state, requests = self.input_processor.process(
             request_id, prompt, params or SamplingParams(), priority, arrival_time, cache_salt, add_special_tokens,
             prompt_token_ids=prompt_token_ids, tenant=tenant, deadline_s=deadline_s, output_kind=output_kind,
+            lora_request=lora_request,
         )
         [stream] = await self._register_and_send([(state, requests)], params or SamplingParams(), priority)
         return stream
@@ -256,7 +263,8 @@ class AsyncLLM:
         try:
             for request in (request for _, requests in prepared for request in requests):
                 core = 0 if self.router is None else self.router.route(
-                    request.request_id, request.prompt_token_ids, request.cache_salt)
+                    request.request_id, request.prompt_token_ids, request.cache_salt,
+                    request.lora_request.lora_int_id if request.lora_request is not None else 0)
                 by_core.setdefault(core, []).append(request)
             for core, batch in by_core.items():
                 await self.client.send(batch[0] if len(batch) == 1 else AddRequests(batch), core)
@@ -347,6 +355,23 @@ class AsyncLLM:
             if isinstance(result, BaseException):
                 raise result
         return results
+
+    # --- LoRA adapters (paged.core.lora) -----------------------------------------------------
+    async def add_lora(self, lora_request: LoRARequest, timeout: float = 120.0) -> None:
+        """Register an adapter in every core, which reads and checks it now; raises
+        InvalidRequestError naming the file and the field (no core keeps it then)."""
+        check_lora_request(lora_request, self.model_info)
+        try:
+            await self.call_utility_all("add_lora", *msgspec.structs.astuple(lora_request), timeout=timeout)
+        except PagedError as e:
+            with contextlib.suppress(Exception):  # a core that read it keeps nothing of a failed add
+                await self.call_utility_all("remove_lora", lora_request.lora_int_id)
+            message = str(e).removeprefix("utility call failed in the core: ")
+            raise InvalidRequestError(message.removeprefix("InvalidRequestError: ")) from None
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter in every core (each drops it once its unfinished requests end)."""
+        return any(await self.call_utility_all("remove_lora", lora_int_id))
 
     async def get_stats(self, timeout: float = 5.0) -> dict[str, Any]:
         """The cores' CoreStats fields plus num_blocks, num_free_blocks, pid, num_requests_added

@@ -7,7 +7,8 @@ core that holds it. The rule, in order:
 1. **Load** of a core = the front-end's unfinished requests sent to it (its waiting + running as
    far as the front-end knows). ``min_load`` = the smallest load.
 2. **Prefix affinity**: the prompt's full blocks are hashed with the prefix cache's own function
-   (``extend_block_hashes``: same block size, same cache salt, so the same keys as in the cores).
+   (``extend_block_hashes``: same block size, same cache salt and LoRA adapter, so the same keys as in
+   the cores).
    A bounded LRU map remembers, for each block hash, the core it was last sent to. A core's
    known match = the longest prefix of the prompt's blocks whose last block was last sent to it
    (hashes are chained: block i's hash stands for blocks 0..i). The core with the longest known
@@ -56,11 +57,13 @@ class DataParallelRouter:
         self._next_tie = 0  # round-robin start among equally loaded cores
 
     # --- routing ------------------------------------------------------------------------------
-    def route(self, request_id: str, prompt_token_ids: Sequence[int], cache_salt: str | None = None) -> int:
-        """Choose the core for a new request and count it there."""
+    def route(self, request_id: str, prompt_token_ids: Sequence[int], cache_salt: str | None = None,
+              lora_int_id: int = 0) -> int:
+        """Choose the core for a new request and count it there (``lora_int_id``: its LoRA
+        adapter's, part of its prefix-cache keys)."""
         if request_id in self.core_of:
             raise ValueError(f"request {request_id!r} is already routed to core {self.core_of[request_id]}")
-        hashes = (extend_block_hashes([], list(prompt_token_ids), self.block_size, cache_salt)
+        hashes = (extend_block_hashes([], list(prompt_token_ids), self.block_size, cache_salt, lora_int_id)
                   if self.prefix_affinity and self.num_cores > 1 else [])
         core = self._choose(hashes)
         self.core_of[request_id] = core

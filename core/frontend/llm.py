@@ -15,6 +15,7 @@ from paged.core.frontend.outputs import PoolingOutput, PoolingRequestOutput, Req
 from paged.core.frontend.scoring import NOT_A_CLASSIFIER, classifier_prompts, cosine_scores, pair_up
 from paged.core.frontend.tools import (calls_from_constrained, check_tools, model_type, tool_choice_mode,
                                        tool_constraint, tool_parser_for)
+from paged.core.lora import LoRARequest
 from paged.core.pooling_params import PoolingParams
 from paged.core.sampling_params import SamplingParams
 
@@ -82,10 +83,14 @@ class LLM:
         tenant: str | Sequence[str | None] | None = None,
         deadline_s: float | Sequence[float | None] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt (text, or token ids); outputs come back in input order.
         ``tenant`` (who sends it) and ``deadline_s`` (seconds to finish) are for the scheduling
-        policy: one value, or one per prompt. A request the policy's admission control turns away
+        policy: one value, or one per prompt. ``lora_request``: the LoRA adapter to run with
+        (``LoRARequest(name, id, path)``, with ``enable_lora=True``), one for all or one per prompt
+        (None: the base model); prompts of different adapters run in the same steps. A request the
+        policy's admission control turns away
         raises RequestRejectedError when it arrives, or finishes with finish_reason "rejected".
         A request a plugin failed on (paged.core.engine.plugin_faults) raises EngineError naming
         the plugin, its method and the exception, with every output in ``.outputs``."""
@@ -94,7 +99,9 @@ class LLM:
         params_list = _broadcast(sampling_params or self.get_default_sampling_params(), n, "sampling_params")
         priorities = _broadcast(priority if priority is not None else 0, n, "priority")
         metadata = list(zip(_broadcast(tenant, n, "tenant"), _broadcast(deadline_s, n, "deadline_s")))
-        return self._run(prompt_list, params_list, priorities, use_tqdm, add_special_tokens=True, metadata=metadata)
+        loras = _broadcast(lora_request, n, "lora_request")
+        return self._run(prompt_list, params_list, priorities, use_tqdm, add_special_tokens=True, metadata=metadata,
+                         loras=loras)
 
     def chat(
         self,
@@ -105,6 +112,7 @@ class LLM:
         tool_choice: str | dict | None = None,
         use_tqdm: bool = True,
         chat_template_kwargs: dict | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them, through the
         model's chat template. ``tools`` (OpenAI function tools) and ``tool_choice`` ("auto", the
@@ -112,7 +120,8 @@ class LLM:
         work as on the server: the template receives the tools, "required" and a named function are
         enforced by a JSON-schema constraint, and each output's ``tool_calls`` holds the parsed calls
         (``ToolCall``: ``name``, JSON ``arguments``, ``id``); ``text`` stays the model's raw output.
-        ``chat_template_kwargs``: more variables for the template, e.g. ``{"enable_thinking": False}``."""
+        ``chat_template_kwargs``: more variables for the template, e.g. ``{"enable_thinking": False}``.
+        ``lora_request``: as in ``generate``."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tools = check_tools(tools) if tools is not None else None
         mode, name = tool_choice_mode(tool_choice, tools)
@@ -126,7 +135,8 @@ class LLM:
                                           "sampling_params.structured_output")
             self.engine.input_processor.validate_structured_output(forced)
             params_list = [p.copy(structured_output=forced) for p in params_list]
-        outputs = self._run(prompts, params_list, [0] * len(prompts), use_tqdm, add_special_tokens=False)
+        outputs = self._run(prompts, params_list, [0] * len(prompts), use_tqdm, add_special_tokens=False,
+                            loras=_broadcast(lora_request, len(prompts), "lora_request"))
         if shown_tools:
             parser = tool_parser_for(model_type(self.engine.model_info.model_dir))
             for output in outputs:
@@ -135,15 +145,17 @@ class LLM:
         return outputs
 
     def _run(self, prompts, params_list, priorities, use_tqdm: bool, add_special_tokens: bool,
-             metadata=None) -> list[RequestOutput]:
+             metadata=None, loras=None) -> list[RequestOutput]:
         engine = self.engine
         ids = []
         metadata = metadata or [(None, None)] * len(prompts)
+        loras = loras or [None] * len(prompts)
         try:
-            for prompt, params, prio, (tenant, deadline_s) in zip(prompts, params_list, priorities, metadata):
+            for prompt, params, prio, (tenant, deadline_s), lora in zip(prompts, params_list, priorities, metadata,
+                                                                        loras):
                 ids.append(engine.add_request(None, prompt, params, priority=prio, add_special_tokens=add_special_tokens,
                                               tenant=tenant, deadline_s=deadline_s,
-                                              output_kind=RequestOutputKind.FINAL_ONLY))
+                                              output_kind=RequestOutputKind.FINAL_ONLY, lora_request=lora))
         except Exception:
             engine.abort_request(ids)
             raise

@@ -19,6 +19,7 @@ from paged.core.errors import ConfigError, InvalidRequestError
 from paged.core.frontend.outputs import RequestOutput, RequestOutputKind
 from paged.core.frontend.processor import InputProcessor, OutputProcessor, structured_output_validator
 from paged.core.engine.request import RequestStatus
+from paged.core.lora import LoRARequest
 from paged.core.sampling_params import SamplingParams
 
 
@@ -74,18 +75,20 @@ class LLMEngine:
         tenant: str | None = None,
         deadline_s: float | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Validate and queue a request; raises InvalidRequestError, or RequestRejectedError when
         the policy's admission control turns it away (nothing is queued then). ``tenant``: who
         sent it (fairness policies); ``deadline_s``: seconds after arrival by which it should finish.
         ``output_kind``: what ``step`` returns for it (``RequestOutputKind``; ``run_until_finished``
-        needs CUMULATIVE or FINAL_ONLY, whose last output is the whole one)."""
+        needs CUMULATIVE or FINAL_ONLY, whose last output is the whole one). ``lora_request``: the
+        LoRA adapter to run it with (read and checked by the core when first named)."""
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.output_processor.requests:
             raise InvalidRequestError(f"request_id: {request_id!r} is already in use")
         state, requests = self.input_processor.process(
             request_id, prompt, params or SamplingParams(), priority, arrival_time, cache_salt, add_special_tokens,
-            tenant=tenant, deadline_s=deadline_s, output_kind=output_kind,
+            tenant=tenant, deadline_s=deadline_s, output_kind=output_kind, lora_request=lora_request,
         )
         added = []
         try:
@@ -97,6 +100,17 @@ class LLMEngine:
             raise
         self.output_processor.add(state)
         return request_id
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register a LoRA adapter now (read and checked: InvalidRequestError naming the file and
+        the field); requests may also name one that is not registered yet."""
+        return self.core.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.core.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.core.list_loras()
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """End requests now and free their blocks; unknown or finished ids are ignored."""

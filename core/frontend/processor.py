@@ -23,6 +23,7 @@ from paged.core.frontend.detokenizer import IncrementalDetokenizer
 from paged.core.frontend.outputs import RequestOutput, RequestOutputKind
 from paged.core.frontend.request_state import RequestState, SampleState
 from paged.core.frontend.tools import render_tool_messages
+from paged.core.lora import LoRARequest
 from paged.core.pooling_params import PoolingParams
 from paged.core.sampling_params import SamplingParams
 
@@ -109,10 +110,14 @@ class InputProcessor:
         tenant: str | None = None,
         deadline_s: float | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[RequestState, list[EngineCoreRequest]]:
         """Validate the request and build its state and its core requests (n of them, sharing
         one prompt token list, sent as they are); raises InvalidRequestError. ``prompt_token_ids``:
-        a text prompt's tokens when the caller has them already."""
+        a text prompt's tokens when the caller has them already. ``lora_request``: the LoRA
+        adapter it runs with (the engine must have LoRA enabled)."""
+        if lora_request is not None:
+            check_lora_request(lora_request, self.info)
         if isinstance(prompt, str):
             text = prompt
             token_ids = prompt_token_ids
@@ -127,6 +132,8 @@ class InputProcessor:
                     f"prompt_token_ids: {bad[:5]} out of range; token ids must be in [0, {self.info.vocab_size})"
                 )
         if isinstance(params, PoolingParams):
+            if lora_request is not None:
+                raise InvalidRequestError("lora_request: LoRA adapters apply to generation, not to pooling requests")
             return self._pooling_request(request_id, text, token_ids, params, priority, arrival_time, cache_salt,
                                          tenant, deadline_s, output_kind)
         if self.info.runner == "pooling":
@@ -158,7 +165,7 @@ class InputProcessor:
                     child_params.prompt_logprobs = None
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
             requests.append(EngineCoreRequest(child_id, token_ids, child_params, arrival_time, priority, cache_salt,
-                                              eos, max_tokens, tenant, deadline))
+                                              eos, max_tokens, tenant, deadline, lora_request=lora_request))
             state.add_sample(child_id, IncrementalDetokenizer(self.tokenizer, token_ids, child_params),
                              child_params.stop_token_ids, params.logprobs is not None)
         return state, requests
@@ -301,6 +308,27 @@ def check_chat_template_kwargs(kwargs: Any) -> dict[str, Any]:
         raise InvalidRequestError(f"chat_template_kwargs: {taken[0]!r} is set by the server, not the request "
                                   "(the template's own variables, such as enable_thinking, are accepted)")
     return kwargs
+
+
+LORA_NOT_ENABLED = ("LoRA adapters are not enabled; start the engine with --enable-lora (lora.enable_lora, "
+                    "LLM(enable_lora=True))")
+
+
+def check_lora_request(lora_request: Any, info: ModelInfo) -> None:
+    """A request's adapter: a ``LoRARequest`` with a name, an id >= 1 and a path, on an engine
+    that serves adapters. Raises InvalidRequestError naming the field."""
+    if info.max_loras == 0:
+        raise InvalidRequestError(f"lora_request: {LORA_NOT_ENABLED}")
+    if not isinstance(lora_request, LoRARequest):
+        raise InvalidRequestError(f"lora_request: must be a LoRARequest(lora_name, lora_int_id, lora_path), "
+                                  f"got {type(lora_request).__name__}")
+    lora_id = lora_request.lora_int_id
+    if isinstance(lora_id, bool) or not isinstance(lora_id, int) or lora_id < 1:
+        raise InvalidRequestError(f"lora_request.lora_int_id: invalid value {lora_id!r}; must be an integer >= 1")
+    for name in ("lora_name", "lora_path"):
+        value = getattr(lora_request, name)
+        if not isinstance(value, str) or not value:
+            raise InvalidRequestError(f"lora_request.{name}: invalid value {value!r}; must be a non-empty string")
 
 
 def check_request_metadata(tenant, deadline_s) -> None:

@@ -47,6 +47,7 @@ import zmq
 
 from paged.core.engine.child_process import is_orphaned, read_config_from_stdin
 from paged.core.errors import EngineError, PagedError, RequestRejectedError
+from paged.core.lora import LoRARequest
 from paged.core.ipc.messages import (
     AbortRequests,
     AddRequest,
@@ -165,6 +166,12 @@ class EngineCoreProc:
             return stats
         if method == "reset_prefix_cache":
             return core.kv_cache_manager.reset_prefix_cache()
+        if method == "add_lora":  # (name, id, path): read and checked now; an error names file and field
+            return core.add_lora(LoRARequest(*args))
+        if method == "remove_lora":
+            return core.remove_lora(int(args[0]))
+        if method == "list_loras":
+            return [list(msgspec.structs.astuple(r)) for r in core.list_loras()]
         if method == "ping":
             return "pong"
         raise ValueError(f"unknown utility method {method!r}")

@@ -4,7 +4,9 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as 
 events or not), ``POST /v1/responses`` with ``GET``/``DELETE /v1/responses/{id}`` and
 ``POST /v1/responses/{id}/cancel`` (``paged.core.server.responses``), ``POST /tokenize`` and
 ``POST /detokenize`` (vLLM's shapes); with ``--runner pooling`` ``POST /v1/embeddings``, ``/score``,
-``/rerank`` and ``/classify`` (``paged.core.server.pooling``); ``GET /v1/models``, ``GET /health`` (503 until the engine core is ready and
+``/rerank`` and ``/classify`` (``paged.core.server.pooling``); ``GET /v1/models`` (with the LoRA
+adapters; ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` with
+``lora.allow_runtime_lora_updating``: ``paged.core.server.lora``), ``GET /health`` (503 until the engine core is ready and
 whenever it is dead), ``GET /metrics`` (Prometheus text), ``GET /version`` and
 ``GET /debug/engine`` (core pid, KV blocks free / total, running / waiting requests).
 When the engine core dies the server exits non-zero or restarts the engine
@@ -46,7 +48,8 @@ from paged.core.server.guard import Guard, read_json
 from paged.core.server.protocol import TENANT_HEADER, tenant_header
 from paged.core.server.state import ServerState
 from paged.core.server.streaming import unless_disconnected
-from paged.core.server import pooling, responses
+from paged.core.server import lora, pooling, responses
+from paged.core.server.lora import check_lora_serving
 from paged.core.server.responses import ResponseStore
 from paged.core.server.tokenize import detokenize, tokenize
 
@@ -69,6 +72,9 @@ def build_app(config: EngineConfig, start_timeout: float = 600.0,
               make_trace_recorder: Callable[[], Any] | None = None) -> FastAPI:
     """``make_trace_recorder``: called once the engine is up, returns an observer of the served
     requests (``add``/``discard``/``finish``; ``paged serve --record-trace`` passes the lab's)."""
+    from paged.core.server.state import default_served_model_name
+
+    check_lora_serving(config, default_served_model_name(config))
     state = ServerState(config)
 
     @asynccontextmanager
@@ -154,10 +160,16 @@ def build_app(config: EngineConfig, start_timeout: float = 600.0,
     @app.get("/v1/models")
     async def models():
         llm = state.require_llm()
-        return {"object": "list", "data": [{
-            "id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "paged",
-            "root": state.served_model_name, "max_model_len": llm.model_info.max_model_len,
-        }]}
+        return {"object": "list", "data": lora.model_cards(state, llm.model_info.max_model_len)}
+
+    if config.lora.allow_runtime_lora_updating:  # off by default: the routes do not exist then (404)
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter_route(request: Request):
+            return await lora.load_adapter(state, await read_json(request, config.server.max_body_bytes))
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter_route(request: Request):
+            return await lora.unload_adapter(state, await read_json(request, config.server.max_body_bytes))
 
     @app.post("/v1/completions")
     async def completions_route(request: Request):

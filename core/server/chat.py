@@ -123,7 +123,7 @@ async def chat(state: ServerState, body: Any, tenant: str | None = None) -> Resp
     chat_format = ChatFormat(state.tokens, shaper, reasoning_start(state, shaper, prompt, params))
     return await respond(state, chat_format, f"chatcmpl-{uuid.uuid4().hex}", [prompt], params,
                          req.priority, False, req.stream, include_usage, state.config.server.chat_default_max_tokens,
-                         tenant=req.user or tenant, deadline_s=req.deadline_s, llm=llm)
+                         tenant=req.user or tenant, deadline_s=req.deadline_s, llm=llm, model=req.model)
 
 
 def reasoning_start(state: ServerState, shaper: ToolCallShaper, prompt: str, params: Any) -> bool | None:

@@ -116,4 +116,4 @@ async def completions(state: ServerState, body: Any, tenant: str | None = None) 
     fmt = CompletionFormat(state.tokens, params.n, req.echo, generate, req.prompt_logprobs is not None)
     return await respond(state, fmt, f"cmpl-{uuid.uuid4().hex}", prompts, params,
                          req.priority, True, req.stream, include_usage, tenant=req.user or tenant,
-                         deadline_s=req.deadline_s, llm=llm)
+                         deadline_s=req.deadline_s, llm=llm, model=req.model)

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from paged.core.frontend.async_llm import AsyncLLM
 from paged.core.frontend.outputs import CompletionOutput, RequestOutput, RequestOutputKind
+from paged.core.lora import LoRARequest
 from paged.core.sampling_params import SamplingParams
 from paged.core.server.errors import from_exception, rejection, shutting_down
 from paged.core.server.protocol import parse
@@ -66,7 +67,7 @@ def accept(state: ServerState, request_type: type, body: Any) -> tuple[Any, Asyn
 async def start(state: ServerState, llm: AsyncLLM, request_id: str, prompts: list, params: SamplingParams,
                 priority: int, add_special_tokens: bool, output_kind: RequestOutputKind,
                 default_max_tokens: int | None = None, tenant: str | None = None,
-                deadline_s: float | None = None) -> list:
+                deadline_s: float | None = None, lora_request: LoRARequest | None = None) -> list:
     """One engine request per prompt (each with ``params.n`` samples); all closed if one fails.
     Text prompts are tokenized off the event loop first. ``default_max_tokens`` caps a request
     that sets no max_tokens (at what still fits in max_model_len after the prompt); ``tenant``
@@ -84,7 +85,8 @@ async def start(state: ServerState, llm: AsyncLLM, request_id: str, prompts: lis
                 prompt_params = params.copy(max_tokens=max(1, min(default_max_tokens, room)))
             streams.append(await llm.add_request(rid, prompt, prompt_params, priority,
                                                  add_special_tokens=add_special_tokens, prompt_token_ids=token_ids[i],
-                                                 tenant=tenant, deadline_s=deadline_s, output_kind=output_kind))
+                                                 tenant=tenant, deadline_s=deadline_s, output_kind=output_kind,
+                                                 lora_request=lora_request))
     except BaseException:
         for s in streams:
             s.close()
@@ -95,17 +97,18 @@ async def start(state: ServerState, llm: AsyncLLM, request_id: str, prompts: lis
 async def respond(state: ServerState, fmt: ChoiceFormat, request_id: str, prompts: list, params: SamplingParams,
                   priority: int, add_special_tokens: bool, stream: bool, include_usage: bool,
                   default_max_tokens: int | None = None, tenant: str | None = None,
-                  deadline_s: float | None = None, *, llm: AsyncLLM) -> Response:
+                  deadline_s: float | None = None, *, llm: AsyncLLM, model: str | None = None) -> Response:
     """Streamed, each request's increments (DELTA) become chunks as they come; otherwise each
-    request's one final output (FINAL_ONLY) becomes its choices."""
+    request's one final output (FINAL_ONLY) becomes its choices. ``model``: the request's (a LoRA
+    adapter's name runs that adapter)."""
     kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     try:
         streams = await start(state, llm, request_id, prompts, params, priority, add_special_tokens, kind,
-                              default_max_tokens, tenant, deadline_s)
+                              default_max_tokens, tenant, deadline_s, state.lora_of(model))
     except Exception as e:
         return from_exception(e).response()
     head = {"id": request_id, "object": fmt.object_name, "created": int(time.time()),
-            "model": state.served_model_name}
+            "model": state.model_name(model)}
     n = params.n
     it = merged(streams, state.open_merges)
 

@@ -93,6 +93,8 @@ def _inputs(value: Any, field: str = "input") -> list[str | list[int]]:
 
 def _pooling_engine(state: ServerState, request_type: type, body: Any):
     req, llm = accept(state, request_type, body)
+    if state.lora_of(getattr(req, "model", None)) is not None:
+        raise invalid(f"model: {req.model!r} is a LoRA adapter; adapters apply to generation, not to pooling", "model")
     if llm.model_info.pooling is None:
         raise invalid("model: this server generates (model.runner generate); embeddings, /score and /rerank need "
                       "paged serve --runner pooling", "model")

@@ -291,11 +291,12 @@ async def create(state: ServerState, store: ResponseStore, body: Any, tenant: st
         in_reasoning = reasoning_start(state, shaper, prompt, params)
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         streams = await start(state, llm, response_id, [prompt], params, req.priority, False, kind,
-                              state.config.server.chat_default_max_tokens, req.user or tenant, None)
+                              state.config.server.chat_default_max_tokens, req.user or tenant, None,
+                              state.lora_of(req.model))
     except Exception as e:
         return from_exception(e).response()
     store.running[response_id] = streams
-    model = state.served_model_name
+    model = state.model_name(req.model)
 
     def finish(message: dict[str, Any], finish_reason: str | None, out, output_tokens: int) -> dict[str, Any]:
         """The final response (stored when asked): ``message`` in chat's shape, ``out`` the last output."""
@@ -345,7 +346,7 @@ async def _events(state: ServerState, store: ResponseStore, req: ResponsesReques
                   streams: list, shaper, finish, in_reasoning: bool | None) -> AsyncIterator[bytes]:
     """The streamed events (see the module docstring), numbered by ``sequence_number``."""
     seq = 0
-    model = state.served_model_name
+    model = state.model_name(req.model)
 
     def event(kind: str, **fields: Any) -> bytes:
         nonlocal seq

@@ -23,6 +23,7 @@ from paged.core.frontend.async_llm import AsyncLLM
 from paged.core.frontend.stream import MergedStreams
 from paged.core.frontend.reasoning import reasoning_parser_for
 from paged.core.frontend.tools import model_type, tool_parser_for
+from paged.core.lora import LoRARequest
 from paged.core.server.errors import APIError, ShuttingDown, engine_unavailable, shutting_down
 from paged.core.server.inputs import PromptInputs
 from paged.core.server.metrics import Metrics
@@ -55,6 +56,11 @@ class ServerState:
         self.engine_started_at = 0.0  # time.monotonic() of the current engine's start
         self.starter: asyncio.Task | None = None  # the engine's first start
         self.recovery: asyncio.Task | None = None  # handling the engine's death, if it died
+        # LoRA adapters served, by the name clients send as ``model``: --lora-modules (every core
+        # reads them at start-up, ids 1..n), then those /v1/load_lora_adapter adds (later ids)
+        self.loras: dict[str, LoRARequest] = {r.lora_name: r for r in config.lora.module_requests()}
+        self.next_lora_id = len(self.loras) + 1
+        self.lora_lock = asyncio.Lock()  # one load or unload at a time
 
     def begin_shutdown(self, grace_s: float) -> None:
         """Refuse new requests; after ``grace_s`` end the open ones (error event, then [DONE])."""
@@ -159,6 +165,7 @@ class ServerState:
                 return
             try:
                 llm, tool_parser = await self._new_engine()
+                await self._add_runtime_loras(llm)
             except Exception as e:
                 if self.stopping.is_set():
                     return
@@ -198,8 +205,22 @@ class ServerState:
         if self.llm is not None:
             await self.llm.aclose()
 
+    async def _add_runtime_loras(self, llm: AsyncLLM) -> None:
+        """A restarted engine read --lora-modules itself; the adapters loaded at run time are
+        registered again (one that no longer loads is dropped, with an error in the log)."""
+        static = {r.lora_name for r in self.config.lora.module_requests()}
+        for name, lora_request in list(self.loras.items()):
+            if name in static:
+                continue
+            try:
+                await llm.add_lora(lora_request)
+            except Exception as e:
+                logger.error("LoRA adapter %r is no longer served: %s", name, e)
+                del self.loras[name]
+
     def check_model(self, model: str | None) -> None:
-        if model is None:
+        """The request's ``model`` names the served model or one of its LoRA adapters (404 else)."""
+        if model is None or model in self.loras:
             return
         accepted = {self.served_model_name, self.config.model.model}
         if self.llm is not None:
@@ -207,6 +228,14 @@ class ServerState:
         if model not in accepted:
             raise APIError(404, f"The model `{model}` does not exist.", "invalid_request_error", "model",
                            "model_not_found")
+
+    def lora_of(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's ``model`` names, or None (the base model)."""
+        return None if model is None else self.loras.get(model)
+
+    def model_name(self, model: str | None) -> str:
+        """The ``model`` a response reports: the adapter's name, else the served model's."""
+        return model if model is not None and model in self.loras else self.served_model_name
 
 
 def default_served_model_name(config: EngineConfig) -> str:

@@ -308,7 +308,8 @@ def test_readme_parses_as_expected():
     expected = [c.expect for block in BLOCKS for c in block if c.expect]
     assert "The capital of France is Paris." in expected, expected
     # the Python blocks: LLM, embeddings offline, the structured output offline and through the official client
-    assert len(PYTHON_BLOCKS) == 4 and any("OpenAI(base_url=" in b for b in PYTHON_BLOCKS)
+    assert len(PYTHON_BLOCKS) == 5 and any("OpenAI(base_url=" in b for b in PYTHON_BLOCKS)
+    assert any("lora_request=[None, mine]" in b for b in PYTHON_BLOCKS)
     assert any('LLM(runner="pooling")' in b for b in PYTHON_BLOCKS)
     assert [python_expectations(b) for b in PYTHON_BLOCKS][0] == ["Paris. ...", None, "The capital of France is Paris."]
     # prose and indented blocks; a span that wraps lines is one command
@@ -345,7 +346,8 @@ def test_readme_bash_block_runs(index, workdir):
             # not an error document (a response carries "error": null)
             answer = json.loads(out)
             assert answer.get("error") is None, out
-            assert any(answer.get(k) for k in ("choices", "data", "results", "output", "tokens", "prompt")), out
+            assert any(answer.get(k) for k in ("choices", "data", "results", "output", "tokens", "prompt",
+                                               "message")), out  # "message": /v1/load_lora_adapter's
         if re.search(r"--json(\s|$)", command.text) and command.text.startswith("paged run"):
             assert json.loads(out)["requests"]
         if command.expect is not None:

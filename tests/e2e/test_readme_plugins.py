@@ -29,7 +29,7 @@ def site(tmp_path_factory):
     """The section's python blocks as the module of a package with the section's entry point."""
     section = _section()
     blocks = re.findall(r"^```python\n(.*?)^```", section, flags=re.S | re.M)
-    assert len(blocks) == 6, "one example per hook kind"
+    assert len(blocks) == 7, "one example per hook kind"
     entry = re.search(r"^```toml\n(.*?)^```", section, flags=re.S | re.M).group(1)
     name = re.search(r'^(\w+) = "(\w+)"', entry, flags=re.M)
     src = tmp_path_factory.mktemp("build") / "readme-plugin"
@@ -78,7 +78,7 @@ def test_the_readme_plugin_registers_every_hook_kind(site):
     assert mine["provides"] == {"policies": ["shortest-first"], "attention_backends": ["brute-force"],
                                 "models": ["ScaledLlamaForCausalLM"], "quantization_methods": ["int8-rows"],
                                 "structured_output_backends": ["choices"],
-                                "speculative_proposers": ["last-token-lookup"]}
+                                "speculative_proposers": ["last-token-lookup"], "lora_kernels": ["gather"]}
 
 
 @pytest.mark.parametrize("model, flags", [
@@ -127,3 +127,22 @@ def test_the_readme_proposer_drafts_and_its_drafts_are_verified(site, tiny):
     assert proc.returncode == 0, proc.stderr
     spec = json.loads(proc.stdout)["summary"]["speculative"]
     assert spec["method"] == "last-token-lookup" and spec["num_draft_tokens"] > 0, spec
+
+
+def test_the_readme_lora_kernel_gives_hf_tokens_with_the_adapter_merged(site, tiny, tmp_path):
+    """``paged run --lora-kernel gather`` with a PEFT adapter on the tiny Llama: HF's greedy tokens
+    with the adapter merged (float32)."""
+    from transformers import AutoTokenizer
+
+    from helpers.lora_adapters import ALL_TARGETS, hf_greedy, save_adapter
+
+    root, base_tokens = tiny
+    merged = save_adapter(root / "llama", tmp_path / "adapter", 5, r=4, lora_alpha=8, target_modules=ALL_TARGETS)
+    ids = AutoTokenizer.from_pretrained(root / "llama")(PROMPT).input_ids
+    expected = hf_greedy(merged, ids, 8)
+    assert expected != base_tokens
+    proc = _paged(site[0], "run", "-q", "--json", "--model", str(root / "llama"), "--dtype", "float32",
+                  "--enable-lora", "--lora-modules", f"mine={tmp_path / 'adapter'}", "--max-lora-rank", "4",
+                  "--lora", "mine", "--lora-kernel", "gather", "--max-tokens", "8", "--ignore-eos", PROMPT)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["requests"][0]["token_ids"] == expected

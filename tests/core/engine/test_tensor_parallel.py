@@ -59,12 +59,22 @@ def test_step_inputs_round_trip_through_one_int64_array():
         num_prompt_rows=2,
     )
     packed = inputs.pack()
-    assert packed.dtype == np.int64 and packed[:6].tolist() == [2, 4, 1, 2, 4, 2]
+    assert packed.dtype == np.int64 and packed[:8].tolist() == [2, 4, 1, 2, 4, 2, 0, 0]
     back = StepInputs.unpack(packed)
     assert back.num_decodes == 1 and back.num_prompt_rows == 2
+    assert back.lora_token_slots is None and back.lora_loads.shape == (0, 2)
     for name in ("input_ids", "positions", "query_start_loc", "seq_lens", "block_table", "slot_mapping", "logits_rows"):
         np.testing.assert_array_equal(getattr(back, name), getattr(inputs, name), err_msg=name)
     assert back.block_table.dtype == np.int32 and back.query_start_loc.dtype == np.int32
+    # with LoRA: each token's adapter slot, and the adapters to copy into slots first
+    inputs.lora_token_slots = np.array([1, -1, -1, -1], dtype=np.int32)
+    inputs.lora_loads = np.array([[1, 7]], dtype=np.int64)
+    packed = inputs.pack()
+    assert packed[:8].tolist() == [2, 4, 1, 2, 4, 2, 1, 1]
+    back = StepInputs.unpack(packed)
+    np.testing.assert_array_equal(back.lora_token_slots, inputs.lora_token_slots)
+    np.testing.assert_array_equal(back.lora_loads, inputs.lora_loads)
+    np.testing.assert_array_equal(back.logits_rows, inputs.logits_rows)
 
 
 # ---- the default model, 2 ranks vs 1 ----------------------------------------------------------

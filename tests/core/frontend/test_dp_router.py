@@ -205,6 +205,30 @@ def test_cache_salt_separates_prefixes():
     assert r.route("c", prompt(1, 4), cache_salt="bob") == 1
 
 
+def test_lora_adapters_separate_prefixes_as_in_the_cores():
+    """A prompt under a LoRA adapter shares no prefix with the same prompt under another adapter or
+    the base (the router's keys, as the cores' KV managers compute them for the requests)."""
+    from paged.core.lora import LoRARequest
+
+    r = router(2)
+    assert r.route("a", prompt(1, 4), lora_int_id=1) == 0
+    assert r.route("b", prompt(1, 4), lora_int_id=2) == 1  # no match anywhere: the least loaded
+    assert r.route("c", prompt(1, 4)) == 0  # round robin; the base matches neither
+    for rid in "abc":
+        r.finish(rid)
+    assert r.route("d", prompt(1, 4), lora_int_id=2) == 1  # its adapter's blocks are on core 1
+    kv = KVCacheManager(32, BS)
+    keyed = {}
+    for lora_id in (0, 1, 2):
+        request = Request(f"r{lora_id}", prompt(1, 4), lora_request=LoRARequest("x", lora_id, "/x") if lora_id else None)
+        kv.update_block_hashes(request)
+        keyed[lora_id] = request.block_hashes
+        assert request.block_hashes == extend_block_hashes([], prompt(1, 4), BS, None, lora_id)
+    by_hand = hash_block_tokens(None, prompt(1, 4)[:BS], ("lora:2",))
+    assert keyed[2][0] == by_hand and keyed[0][0] == hash_block_tokens(None, prompt(1, 4)[:BS])
+    assert len({h for hashes in keyed.values() for h in hashes}) == 12  # nothing shared
+
+
 def test_slack_overrides_preference():
     r = router(2, slack=2)
     assert r.route("p0", prompt(1, 4)) == 0
