@@ -141,10 +141,86 @@ class StructuredOutputConfig(_Section):
 
 
 class ParallelConfig(_Section):
+    """Tensor and data parallelism. Engine cores on several machines (vLLM's flags): the first
+    node runs the API server and cores ``0 .. data_parallel_size_local - 1``; each other node runs
+    ``paged serve --headless`` with its ``data_parallel_start_rank``; all of them name the first
+    node's ``data_parallel_address`` and ``data_parallel_rpc_port`` (``paged.core.ipc``)."""
+
     tensor_parallel_size: int = Field(
         1, gt=0, description="ranks that split each layer (processes on this machine, or torchrun's WORLD_SIZE)"
     )
-    data_parallel_size: int = Field(1, gt=0, description="engine cores behind one `paged serve` front-end")
+    data_parallel_size: int = Field(1, gt=0, description="engine cores behind one `paged serve` front-end, on every node")
+    data_parallel_size_local: int | None = Field(
+        None, ge=0, description="engine cores this node runs (default: all of data_parallel_size from "
+        "data_parallel_start_rank on)",
+    )
+    data_parallel_start_rank: int = Field(0, ge=0, description="the first data-parallel rank this node runs (0 on the "
+                                          "node with the API server)")
+    data_parallel_address: str | None = Field(
+        None, description="the API server node's address, which engine cores on other nodes connect to (tcp, bound to "
+        "this address only); unset = every core on this machine (ipc)",
+    )
+    data_parallel_rpc_port: int = Field(29550, ge=1, le=65534, description="the API server node's port for engine "
+                                        "cores (it binds this one and the next)")
+    headless: bool = Field(False, description="run engine cores only, for the API server on data_parallel_address "
+                           "(the nodes after the first)")
+    data_parallel_keys: str | None = Field(
+        None, description="folder of CurveZMQ keys (paged keys DIR; the same folder on every node): traffic between "
+        "nodes is authenticated and encrypted; required for an address that is not loopback",
+    )
+    data_parallel_on_core_loss: Literal["fail", "continue"] = Field(
+        "fail", description="when an engine core is lost (its process or node gone): fail = the engine is dead (as "
+        "server.on_engine_death says); continue = fail its requests, serve on the others, and let it rejoin",
+    )
+    data_parallel_heartbeat_s: float = Field(1.0, gt=0, description="engine cores and the API server tell each other "
+                                             "they are alive this often")
+    data_parallel_timeout_s: float = Field(5.0, gt=0, description="a core (or the API server, for a core) not heard "
+                                           "from for this long is lost")
+    data_parallel_start_timeout_s: float = Field(
+        600.0, gt=0, description="with cores on other nodes: how long the API server waits for all of them to "
+        "connect (the error names the ranks missing)",
+    )
+
+    @property
+    def local_cores(self) -> int:
+        """The data-parallel cores this node runs."""
+        if self.data_parallel_size_local is not None:
+            return self.data_parallel_size_local
+        return self.data_parallel_size - self.data_parallel_start_rank
+
+    @property
+    def local_ranks(self) -> range:
+        return range(self.data_parallel_start_rank, self.data_parallel_start_rank + self.local_cores)
+
+    @property
+    def multi_node(self) -> bool:
+        """Cores connect over tcp (data_parallel_address set), from this node or others."""
+        return self.data_parallel_address is not None
+
+    @model_validator(mode="after")
+    def _nodes_fit(self) -> "ParallelConfig":
+        size, start, local = self.data_parallel_size, self.data_parallel_start_rank, self.local_cores
+        if start + local > size:
+            raise ValueError(f"data_parallel_start_rank {start} + data_parallel_size_local {local} exceeds "
+                             f"data_parallel_size {size}: the ranks of a node must be among 0 .. {size - 1}")
+        if self.headless:
+            if self.data_parallel_address is None:
+                raise ValueError("headless: needs data_parallel_address (the API server node's address, which its "
+                                 "engine cores connect to)")
+            if local < 1:
+                raise ValueError("headless: data_parallel_size_local must be at least 1 (the cores this node runs)")
+        elif start != 0:
+            raise ValueError(f"data_parallel_start_rank: {start} on the node with the API server, which runs ranks from "
+                             "0; a node that runs later ranks is started with --headless")
+        elif local < 1:
+            raise ValueError("data_parallel_size_local: the API server node runs at least rank 0 (1 or more)")
+        elif local < size and self.data_parallel_address is None:
+            raise ValueError(f"data_parallel_size_local: {local} of {size} cores here needs data_parallel_address, "
+                             "which the other nodes' cores connect to")
+        if self.data_parallel_timeout_s <= self.data_parallel_heartbeat_s:
+            raise ValueError(f"data_parallel_timeout_s: {self.data_parallel_timeout_s} must exceed "
+                             f"data_parallel_heartbeat_s ({self.data_parallel_heartbeat_s})")
+        return self
 
 
 class SpeculativeConfig(_Section):
@@ -531,6 +607,7 @@ FLAG_ALIASES = {
     ("pooling", "normalize"): "pooling-normalize",
     ("pooling", "max_dimensions"): "pooling-max-dimensions",
     ("lora", "kernel"): "lora-kernel",
+    ("parallel", "headless"): "headless",
 }
 
 

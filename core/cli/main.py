@@ -292,6 +292,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     if _is_torchrun_worker():
         return _run_torchrun_worker(config)
+    if config.parallel.headless:  # engine cores only, for the API server on another node
+        from paged.core.ipc.headless import run_headless
+
+        return run_headless(config, "WARNING" if args.quiet else "INFO")
+    if config.parallel.multi_node:
+        from paged.core.ipc.nodes import check_node_security
+
+        check_node_security(config.parallel)  # before anything binds or loads
     make_recorder = None
     if args.record_trace:
         from paged.core.lab.trace import TraceRecorder
@@ -302,6 +310,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     return run_server(config, access_log=args.access_log, log_level="warning" if args.quiet else "info",
                       make_trace_recorder=make_recorder)
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from paged.core.ipc.nodes import create_keys
+
+    for path in create_keys(args.folder):
+        print(path)
+    print(f"copy {args.folder} to every node (a channel you trust: it holds secret keys) and pass "
+          f"--data-parallel-keys {args.folder} to paged serve on each", file=sys.stderr)
+    return 0
 
 
 # --- paged bench -----------------------------------------------------------------------------
@@ -353,6 +371,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="append every finished request to a lab trace (JSONL) for `paged lab replay`")
     add_engine_flags(serve, skip=())
     serve.set_defaults(func=cmd_serve)
+
+    keys = sub.add_parser("keys", parents=[common], help="create the CurveZMQ keys of engine cores on several nodes")
+    keys.add_argument("folder", help="where to write them (copy it to every node; --data-parallel-keys FOLDER)")
+    keys.set_defaults(func=cmd_keys)
 
     bench = sub.add_parser("bench", parents=[common], help="benchmarks (paged bench serve --help)")
     bench.add_argument("bench", choices=["serve"], help="serve: load-test a running server")

@@ -44,7 +44,7 @@ logger = logging.getLogger("paged")
 def configure_cpu_threads(config: EngineConfig, device: torch.device) -> None:
     """Several ranks or engine cores on one CPU share its cores: give each process its share
     (unless OMP_NUM_THREADS says otherwise), or they slow each other down many times over."""
-    processes = config.parallel.tensor_parallel_size * config.parallel.data_parallel_size
+    processes = config.parallel.tensor_parallel_size * config.parallel.local_cores  # this node's
     if device.type == "cpu" and processes > 1 and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))
 

@@ -43,7 +43,9 @@ from paged.core.ipc.messages import (
     AddRequests,
     CoreFailed,
     EngineDeadError,
+    Heartbeat,
     Outputs,
+    Ready,
     RequestFailed,
     UtilityCall,
     UtilityResult,
@@ -81,6 +83,7 @@ class AsyncLLM:
         self.output_processor = OutputProcessor()
         self.observer = observer or StatsObserver()
         self._utility_futures: dict[int, asyncio.Future] = {}
+        self._utility_core: dict[int, int] = {}  # call id -> the core asked (call_utility_all, several cores)
         self._call_ids = itertools.count()
         self._request_ids = itertools.count()
         self._handler: asyncio.Task | None = None
@@ -341,16 +344,19 @@ class AsyncLLM:
         self._check_alive()
         self._ensure_handler()
         loop = asyncio.get_running_loop()
-        call_ids = [next(self._call_ids) for _ in range(self.num_cores)]
+        ranks = self.client.live_ranks()  # a lost core is not asked (its future would wait forever)
+        call_ids = [next(self._call_ids) for _ in ranks]
         futs = [loop.create_future() for _ in call_ids]
         self._utility_futures.update(zip(call_ids, futs))
+        self._utility_core.update(zip(call_ids, ranks))
         try:
-            for core, call_id in enumerate(call_ids):
+            for core, call_id in zip(ranks, call_ids):
                 await self.client.send(UtilityCall(call_id, method, list(args)), core)
             results = await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), timeout)
         finally:
             for call_id in call_ids:
                 self._utility_futures.pop(call_id, None)
+                self._utility_core.pop(call_id, None)
         for result in results:
             if isinstance(result, BaseException):
                 raise result
@@ -378,6 +384,8 @@ class AsyncLLM:
         and pids, combined over the cores as ``paged.core.frontend.dp_stats`` says (one core: its own).
         The per-core dicts are kept in ``last_core_stats``."""
         per_core = await self.call_utility_all("stats", timeout=timeout)
+        for rank, stats in zip(self.client.live_ranks(), per_core):
+            stats.update(dp_rank=rank, host=self.client.hosts[rank])
         stats = combine_core_stats(per_core)
         self.last_core_stats, self.last_stats = per_core, stats
         return stats
@@ -392,25 +400,34 @@ class AsyncLLM:
 
     # --- the output handler -----------------------------------------------------------------
     async def _output_handler(self) -> None:
-        pull, decoder = self.client.pull, self.client.decoder
+        client = self.client
+        pull, decoder = client.pull, client.decoder
         # With several cores a busy one keeps the socket from going quiet while another is dead:
-        # then check the processes every _POLL_MS whatever arrives (one core: only when quiet).
-        check_when_busy = self.num_cores > 1
+        # then check the cores every _POLL_MS whatever arrives (one core: only when quiet). Over tcp
+        # the front-end also takes the READY of a core that rejoins.
+        check_when_busy = self.num_cores > 1 or client.multi_node
         loop = asyncio.get_running_loop()
         next_check = loop.time() + _POLL_MS / 1000
         try:
             while self._dead is None:
                 if check_when_busy and loop.time() >= next_check:
                     next_check = loop.time() + _POLL_MS / 1000
-                    if not self.client.alive:
-                        self._on_core_death(self.client.death_message())
+                    if client.multi_node:
+                        await self._take_rejoins()
+                    if not self._check_cores():
                         break
                 if not await pull.poll(_POLL_MS):
-                    if not self.client.alive:
-                        self._on_core_death(self.client.death_message())
+                    if not self._check_cores():
+                        break
                     continue
-                msg = decoder.decode(await pull.recv())
-                if isinstance(msg, Outputs):
+                try:
+                    payload = await pull.recv()
+                except zmq.Again:  # the poll saw a message of a peer that dropped since (a lost node)
+                    continue
+                msg = decoder.decode(payload)
+                if isinstance(msg, Heartbeat):
+                    client.note_beat(msg.dp_rank)
+                elif isinstance(msg, Outputs):
                     self._process_outputs(msg)
                 elif isinstance(msg, UtilityResult):
                     fut = self._utility_futures.get(msg.call_id)
@@ -430,7 +447,13 @@ class AsyncLLM:
                         self.abort(sample.request.request_id)
                 elif isinstance(msg, CoreFailed):
                     which = f" (data-parallel rank {msg.dp_rank})" if self.num_cores > 1 else ""
-                    self._on_core_death(f"the engine core{which} failed: {msg.message}")
+                    message = f"the engine core{which} failed: {msg.message}"
+                    if client.keep_serving and self.num_cores > 1:
+                        self._on_core_lost(msg.dp_rank, message)
+                        if not self._check_cores():
+                            break
+                    else:
+                        self._on_core_death(message)
         except asyncio.CancelledError:
             raise
         except (zmq.ZMQError, zmq.error.ContextTerminated) as e:
@@ -482,6 +505,65 @@ class AsyncLLM:
                 self.observer.e2e_latency(max(m.e2e_latency, 0.0))
             if m.queue_time is not None:
                 self.observer.queue_time(max(m.queue_time, 0.0))
+
+    def _check_cores(self) -> bool:
+        """Notice lost cores: with ``data_parallel_on_core_loss: continue`` each is dropped on its
+        own; the engine dies when it cannot serve. False once it is dead."""
+        client = self.client
+        if client.keep_serving and self.num_cores > 1:
+            for rank in client.live_ranks():
+                reason = client.core_down(rank)
+                if reason is not None:
+                    self._on_core_lost(rank, reason)
+        if not client.alive:
+            self._on_core_death(client.death_message())
+            return False
+        return True
+
+    def _on_core_lost(self, rank: int, reason: str) -> None:
+        """One core is gone and the others keep serving: fail the requests it held (a request
+        with samples on other cores too fails whole), route nothing to it until it rejoins."""
+        if rank in self.client.lost:
+            return
+        self.client.mark_lost(rank, reason)
+        held = self.router.drop_core(rank) if self.router is not None else []
+        logger.error("%s; failing its %d request(s), serving on the other %d core(s) (data_parallel_on_core_loss = "
+                     "continue)", reason, len(held), len(self.client.live_ranks()))
+        err = EngineDeadError(f"{reason}; this request was running there")
+        for child_id in held:
+            sample = self.output_processor.samples.get(child_id)
+            if sample is None:
+                continue
+            state = sample.request
+            state.stream.put(err)
+            others = [c for c in self.output_processor.remove(state.request_id) if c not in held]
+            if others:
+                self._send_aborts(others, "abort")
+        for call_id, core in list(self._utility_core.items()):
+            fut = self._utility_futures.get(call_id)
+            if core == rank and fut is not None and not fut.done():
+                fut.set_exception(EngineDeadError(reason))
+
+    async def _take_rejoins(self) -> None:
+        """READYs after start-up (over tcp): a lost core back, or one to refuse."""
+        router = self.client.router
+        while await router.poll(0):
+            try:
+                identity, payload = await router.recv_multipart()
+            except zmq.Again:  # its sender dropped since the poll
+                return
+            try:
+                msg = self.client.decoder.decode(payload)
+            except Exception as e:
+                logger.error("dropping an undecodable message from an engine core: %s", e)
+                continue
+            if isinstance(msg, Ready) and self.client.rejoin(identity, msg) and self.router is not None:
+                self.router.restore_core(msg.dp_rank)
+
+    @property
+    def lost_ranks(self) -> dict[int, str]:
+        """Cores lost while the others serve (``data_parallel_on_core_loss: continue``): rank -> why."""
+        return dict(self.client.lost)
 
     def _on_core_death(self, message: str) -> None:
         if self._dead is not None:

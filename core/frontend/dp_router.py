@@ -25,8 +25,13 @@ uses the cores' total KV blocks: a hash older than that many newer ones has most
 evicted from its core's cache anyway); entries are touched from the prompt's last block to its
 first, so the first blocks of a prefix, which every longer prompt needs, are evicted last.
 
+A core that is lost while the others keep serving (``parallel.data_parallel_on_core_loss:
+continue``) is dropped (``drop_core``: its requests and remembered prefixes are forgotten, and
+nothing is routed to it) until it rejoins (``restore_core``).
+
 Invariants: ``loads[c]`` = the number of ids in ``core_of`` mapped to ``c``; ``len(block_owner)
-<= max_hashes``. The router never talks to a core; the caller sends what it says.
+<= max_hashes``; no id or hash maps to a core in ``lost``. The router never talks to a core; the
+caller sends what it says.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ class DataParallelRouter:
         self.core_of: dict[str, int] = {}  # unfinished request id -> its core
         self.block_owner: OrderedDict[bytes, int] = OrderedDict()  # block hash -> core last sent to; LRU first
         self._next_tie = 0  # round-robin start among equally loaded cores
+        self.lost: set[int] = set()  # cores nothing is routed to (see drop_core)
 
     # --- routing ------------------------------------------------------------------------------
     def route(self, request_id: str, prompt_token_ids: Sequence[int], cache_salt: str | None = None,
@@ -84,10 +90,12 @@ class DataParallelRouter:
         return matched
 
     def _choose(self, hashes: Sequence[bytes]) -> int:
-        loads = self.loads
-        min_load = min(loads)
+        loads, lost = self.loads, self.lost
+        if len(lost) == self.num_cores:
+            raise ValueError("every engine core is lost: nothing to route to")
+        min_load = min(load for c, load in enumerate(loads) if c not in lost) if lost else min(loads)
         if hashes:
-            matched = self.known_match(hashes)
+            matched = self.known_match(hashes)  # (a lost core's hashes were forgotten)
             eligible = [c for c in matched if loads[c] <= min_load + self.slack]
             if eligible:
                 return max(eligible, key=lambda c: (matched[c], -loads[c], -c))
@@ -95,7 +103,7 @@ class DataParallelRouter:
         start = self._next_tie
         for k in range(n):
             core = (start + k) % n
-            if loads[core] == min_load:
+            if loads[core] == min_load and core not in lost:
                 self._next_tie = (core + 1) % n
                 return core
         raise AssertionError("unreachable: some core has the minimum load")
@@ -127,12 +135,29 @@ class DataParallelRouter:
                 groups.setdefault(core, []).append(request_id)
         return groups
 
+    def drop_core(self, core: int) -> list[str]:
+        """The core is lost: route nothing to it, forget its prefixes; returns its unfinished
+        requests' ids (forgotten too: the caller fails them)."""
+        self.lost.add(core)
+        ids = [request_id for request_id, c in self.core_of.items() if c == core]
+        for request_id in ids:
+            del self.core_of[request_id]
+        self.loads[core] = 0
+        for block_hash in [h for h, c in self.block_owner.items() if c == core]:
+            del self.block_owner[block_hash]
+        return ids
+
+    def restore_core(self, core: int) -> None:
+        """A lost core rejoined (empty: no request, no cached prefix)."""
+        self.lost.discard(core)
+
     def forget_prefixes(self) -> None:
         """The cores' prefix caches were reset: every remembered hash is stale."""
         self.block_owner.clear()
 
     def reset(self) -> None:
         """Forget every request and prefix (the engine died)."""
+        self.lost.clear()
         self.loads = [0] * self.num_cores
         self.core_of.clear()
         self.block_owner.clear()

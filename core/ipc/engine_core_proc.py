@@ -53,8 +53,10 @@ from paged.core.ipc.messages import (
     AddRequest,
     AddRequests,
     CoreFailed,
+    Heartbeat,
     Outputs,
     Ready,
+    Refused,
     RequestFailed,
     UtilityCall,
     UtilityResult,
@@ -81,18 +83,61 @@ class EngineCoreProc:
         self.dp_rank = dp_rank
         self.num_requests_added = 0  # reported by `stats`: shows which data-parallel core served what
         self.stop = threading.Event()
+        self.exit_code = 0  # set by a refusal (keys, fingerprint) before stop
         self.in_q: queue.Queue = queue.Queue()
         self.out_q: queue.Queue = queue.Queue()
+        parallel = config.parallel
+        # Over tcp (parallel.data_parallel_address): this core sends a Heartbeat every heartbeat_s
+        # (the output thread); it knows the API server is gone when its connection has been down
+        # for timeout_s (libzmq's ZMTP heartbeats drop a connection whose peer stops answering).
+        self.multi_node = input_addr.startswith("tcp://")
+        self.heartbeat_s = parallel.data_parallel_heartbeat_s
+        self.timeout_s = parallel.data_parallel_timeout_s
+        self.down_since: float | None = None  # the connection to the API server is down since then
         self.ctx = zmq.Context()
         self.dealer = self.ctx.socket(zmq.DEALER)
         self.dealer.setsockopt(zmq.LINGER, 1000)
         self.dealer.setsockopt(zmq.IDENTITY, f"core-{dp_rank}-{os.getpid()}".encode())
-        self.dealer.connect(input_addr)
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.LINGER, 1000)
+        if self.multi_node:
+            from paged.core.ipc.nodes import secure_client, watch_connection
+
+            for sock in (self.dealer, self.push):
+                sock.setsockopt(zmq.HEARTBEAT_IVL, int(1000 * self.heartbeat_s))
+                sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(1000 * self.timeout_s))
+                if parallel.data_parallel_keys is not None:
+                    secure_client(sock, parallel.data_parallel_keys)
+            watch_connection(self.dealer, "requests", self._refused_keys, self._up, self._down)
+            if parallel.data_parallel_keys is not None:
+                watch_connection(self.push, "outputs", self._refused_keys)
+        self.dealer.connect(input_addr)
         self.push.connect(output_addr)
         self.encoder = make_encoder()
         self.core = None
+
+    def _up(self) -> None:
+        self.down_since = None
+
+    def _down(self) -> None:
+        if self.down_since is None:
+            self.down_since = time.monotonic()
+
+    def _refused(self, message: str) -> None:
+        """The API server does not take this core: log why and stop (exit code 3)."""
+        if self.exit_code:
+            return
+        logger.error("core: %s", message)
+        self.exit_code = 3
+        self.stop.set()
+
+    def _refused_keys(self, message: str) -> None:
+        self._refused(f"the API server at {self.input_addr} refused this node's keys: {message}; every node needs "
+                      "the same --data-parallel-keys folder (paged keys DIR)")
+        if self.core is None:  # still loading the model: stop that too
+            import _thread
+
+            _thread.interrupt_main()
 
     # I/O threads: all (de)serialisation happens here, off the step.
     def _input_thread(self) -> None:
@@ -107,14 +152,31 @@ class EngineCoreProc:
                     return
                 raise
             try:
-                self.in_q.put(decoder.decode(frames[-1]))
+                msg = decoder.decode(frames[-1])
             except msgspec.DecodeError as e:
                 logger.error("core: dropping an undecodable message: %s", e)
+                continue
+            if isinstance(msg, Refused):
+                self._refused(f"the API server refused this core (data-parallel rank {self.dp_rank}): {msg.reason}")
+                continue
+            self.in_q.put(msg)
 
     def _output_thread(self) -> None:
         encoder = make_encoder()
+        beat = encoder.encode(Heartbeat(self.dp_rank)) if self.multi_node else None
+        next_beat = time.monotonic()
         while True:
-            item = self.out_q.get()
+            if beat is None:
+                item = self.out_q.get()
+            else:  # a beat at least every heartbeat_s, busy or not (the step runs on another thread)
+                now = time.monotonic()
+                if now >= next_beat:
+                    self.push.send(beat)
+                    next_beat = now + self.heartbeat_s
+                try:
+                    item = self.out_q.get(timeout=max(next_beat - now, 0.001))
+                except queue.Empty:
+                    continue
             if item is None:
                 return
             if isinstance(item, tuple):  # (engine core outputs, timestamp): convert here, not in the loop
@@ -182,6 +244,9 @@ class EngineCoreProc:
         try:
             self.core = EngineCore(self.config)
         except BaseException as e:
+            if self.exit_code:  # refused while loading (its keys): logged already
+                self.close()
+                return self.exit_code
             message = f"{type(e).__name__}: {e}"
             logger.error("core: start-up failed: %s", message)
             if not isinstance(e, PagedError):
@@ -193,9 +258,13 @@ class EngineCoreProc:
             if self._orphaned():
                 self._remove_orphaned_ipc_dir()
             self.close()
-            return 0
+            return self.exit_code
         # Handshake: READY only once the model and the KV cache are up.
-        self.dealer.send(self.encoder.encode(Ready(self.core.model_info, os.getpid(), self.dp_rank)))
+        from paged.core.ipc.nodes import fingerprint, hostname
+
+        core = self.core
+        mark = fingerprint(self.config, core.model_info, str(core.model_config.dtype).removeprefix("torch."))
+        self.dealer.send(self.encoder.encode(Ready(core.model_info, os.getpid(), self.dp_rank, hostname(), mark)))
         threads = [
             threading.Thread(target=self._input_thread, name="core-input", daemon=True),
             threading.Thread(target=self._output_thread, name="core-output", daemon=True),
@@ -217,7 +286,7 @@ class EngineCoreProc:
         for t in threads:
             t.join(timeout=5)
         self.close()
-        return code
+        return code or self.exit_code
 
     def _busy_loop(self) -> None:
         core, in_q = self.core, self.in_q
@@ -243,6 +312,11 @@ class EngineCoreProc:
                 if self._orphaned():
                     logger.warning("core: the front-end process is gone; exiting")
                     self._remove_orphaned_ipc_dir()
+                    return
+                down = self.down_since
+                if down is not None and now - down > self.timeout_s:
+                    logger.error("core: the connection to the API server at %s has been down for %.1f s "
+                                 "(parallel.data_parallel_timeout_s): it is gone; exiting", self.input_addr, now - down)
                     return
 
     def _remove_orphaned_ipc_dir(self) -> None:

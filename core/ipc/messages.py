@@ -6,11 +6,13 @@ Front-end -> core (``CoreRequest``, a tagged union): ``AddRequest`` (the engine'
 ``EngineCoreRequest``, built by the front-end's InputProcessor and sent as is), ``AddRequests``
 (several at once: the samples of one request, the inputs of one embeddings call, so that the
 core's next step sees all of them rather than the first alone), ``AbortRequests``,
-``UtilityCall`` (``stats``, ``reset_prefix_cache``, ``ping``).
+``UtilityCall`` (``stats``, ``reset_prefix_cache``, ``ping``, ``add_lora``, ...) and ``Refused`` (the
+answer to a READY the front-end does not take).
 Core -> front-end (``CoreMessage``): ``Ready`` (once, over the DEALER, after the model and the KV
 cache are up), ``Outputs`` (one per engine step that produced something; the engine's own
 ``EngineCoreOutput``), ``UtilityResult``, ``RequestFailed`` (the core rejected an added request),
-``CoreFailed`` (a fatal error; the core exits right after).
+``CoreFailed`` (a fatal error; the core exits right after), ``Heartbeat`` (with cores on other
+nodes).
 """
 
 from __future__ import annotations
@@ -48,13 +50,32 @@ class UtilityCall(msgspec.Struct, tag="utility", array_like=True):
     args: list[Any] = []
 
 
-CoreRequest = Union[AddRequest, AddRequests, AbortRequests, UtilityCall]
+class Heartbeat(msgspec.Struct, tag="beat", array_like=True):
+    """Core -> front-end every ``parallel.data_parallel_heartbeat_s``, over tcp: the core of
+    ``dp_rank`` is alive (a core knows the front-end is alive from its connection: libzmq's ZMTP
+    heartbeats)."""
+
+    dp_rank: int = -1
+
+
+class Refused(msgspec.Struct, tag="refused", array_like=True):
+    """Front-end -> core, after its READY: the front-end does not take this core (its fingerprint
+    differs, or its rank is served already); the core logs ``reason`` and exits."""
+
+    reason: str
+
+
+CoreRequest = Union[AddRequest, AddRequests, AbortRequests, UtilityCall, Refused]
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):
     model_info: ModelInfo
     pid: int
     dp_rank: int = 0
+    host: str = ""  # the core's machine (its hostname), for logs and per-core metrics
+    # what must match between the cores of one engine (paged.core.ipc.fingerprint): the front-end
+    # refuses a core whose fingerprint differs from rank 0's
+    fingerprint: str = ""
 
 
 class Outputs(msgspec.Struct, tag="outputs", array_like=True):
@@ -80,7 +101,7 @@ class CoreFailed(msgspec.Struct, tag="dead", array_like=True):
     dp_rank: int = 0
 
 
-CoreMessage = Union[Ready, Outputs, UtilityResult, RequestFailed, CoreFailed]
+CoreMessage = Union[Ready, Outputs, UtilityResult, RequestFailed, CoreFailed, Heartbeat]
 
 
 def _enc_hook(obj: Any) -> Any:

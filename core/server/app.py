@@ -35,7 +35,7 @@ from typing import Any, Callable
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from paged.core.config import EngineConfig
@@ -119,6 +119,11 @@ def build_app(config: EngineConfig, start_timeout: float = 600.0,
         reason = state.engine_down()
         if reason is not None:
             return engine_unavailable(reason).response()
+        lost = state.llm.lost_ranks
+        if lost:  # data_parallel_on_core_loss: continue, with cores lost: serving, on fewer cores
+            return JSONResponse({"status": "degraded", "data_parallel_size": state.llm.num_cores,
+                                 "cores_serving": state.llm.num_cores - len(lost),
+                                 "lost_cores": {str(rank): why for rank, why in lost.items()}})
         return Response(status_code=200)
 
     @app.get("/version")
@@ -141,8 +146,10 @@ def build_app(config: EngineConfig, start_timeout: float = 600.0,
                 with suppress(Exception):
                     info["core"] = await llm.get_stats(timeout=5.0)
                     loads = llm.core_loads()
-                    info["cores"] = [{"dp_rank": rank, "front_end_load": loads[rank], **stats}
-                                     for rank, stats in enumerate(llm.last_core_stats)]
+                    info["cores"] = [{"front_end_load": loads[stats["dp_rank"]], **stats}
+                                     for stats in llm.last_core_stats]
+            if llm.lost_ranks:
+                info["lost_cores"] = {str(rank): why for rank, why in llm.lost_ranks.items()}
         return info
 
     @app.get("/metrics")
@@ -151,6 +158,7 @@ def build_app(config: EngineConfig, start_timeout: float = 600.0,
 
         llm = state.llm
         state.metrics.core_alive = llm is not None and llm.is_alive
+        state.metrics.cores_serving = llm.num_cores - len(llm.lost_ranks) if state.metrics.core_alive else 0
         if state.metrics.core_alive:
             with suppress(Exception):
                 state.metrics.core_stats = await llm.get_stats(timeout=5.0)

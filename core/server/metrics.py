@@ -28,6 +28,7 @@ class Metrics(StatsObserver):
         self.core_stats: dict[str, Any] | None = None
         self.per_core_stats: list[dict[str, Any]] | None = None  # only with several cores
         self.core_alive = False
+        self.cores_serving = 0  # engine cores serving (the lost ones left out)
         self._prompt = Counter("paged:prompt_tokens", "Prompt tokens processed (per sample)", registry=r)
         self._generation = Counter("paged:generation_tokens", "Tokens generated", registry=r)
         self._success = Counter("paged:request_success", "Finished requests (samples) by finish reason",
@@ -112,14 +113,17 @@ class _CoreCollector:
             if stats is not None and key in stats:
                 family.add_metric([], float(stats[key]))
             yield family
+        yield GaugeMetricFamily("paged:engine_cores_serving", "Data-parallel engine cores serving (fewer than "
+                                "data_parallel_size once a core is lost, with data_parallel_on_core_loss: continue)",
+                                value=float(self.metrics.cores_serving))
         if per_core is None:
             return
         for name, kind, help_text, key in _PER_CORE_METRICS:
             cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-            family = cls(name, help_text, labels=["dp_rank"])
-            for rank, core_stats in enumerate(per_core):
+            family = cls(name, help_text, labels=["dp_rank", "host"])
+            for core_stats in per_core:
                 if key in core_stats:
-                    family.add_metric([str(rank)], float(core_stats[key]))
+                    family.add_metric([str(core_stats["dp_rank"]), core_stats.get("host", "")], float(core_stats[key]))
             yield family
 
     def describe(self):

@@ -39,6 +39,16 @@ class FakeClient:
         self.terminated = False
         self.answers = answers
         self.llm: AsyncLLM | None = None
+        self.multi_node = False
+        self.keep_serving = False
+        self.lost: dict[int, str] = {}
+        self.hosts = [""] * num_cores
+
+    def live_ranks(self) -> list[int]:
+        return list(range(self.num_cores))
+
+    def core_down(self, rank: int) -> str | None:
+        return None if self.alive else "a core died"
 
     async def send(self, msg, core: int = 0) -> None:
         self.sent.append((msg, core))

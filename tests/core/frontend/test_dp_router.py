@@ -337,5 +337,12 @@ def test_each_gpu_core_sees_its_own_slice_of_the_gpus(monkeypatch):
                                                              {"CUDA_VISIBLE_DEVICES": "6,7"}]
     assert _core_devices(load_config(None, {"device": "cpu", "parallel": {"data_parallel_size": 2}}), 1) == {}
     too_many = load_config(None, {"device": "cuda", "parallel": {"data_parallel_size": 3, "tensor_parallel_size": 2}})
-    with pytest.raises(ConfigError, match="data_parallel_size: 3 cores x tensor_parallel_size 2 need 6 GPUs; 4"):
+    with pytest.raises(ConfigError, match="data_parallel_size: 3 cores on this node x tensor_parallel_size 2 need 6 "
+                                          "GPUs; 4"):
         _core_devices(too_many, 2)
+    # a node that runs ranks 2 and 3 of 4: its cores count from its own first GPU
+    node = load_config(None, {"device": "cuda", "parallel": {
+        "data_parallel_size": 4, "data_parallel_size_local": 2, "data_parallel_start_rank": 2, "headless": True,
+        "data_parallel_address": "127.0.0.1", "tensor_parallel_size": 2}})
+    assert [_core_devices(node, r - 2) for r in node.parallel.local_ranks] == [{"CUDA_VISIBLE_DEVICES": "4,5"},
+                                                                               {"CUDA_VISIBLE_DEVICES": "6,7"}]

@@ -133,7 +133,9 @@ def test_concurrent_batch_equals_one_core_and_uses_both(dp_server, one_core):
     metrics = dp_server.metrics()
     assert metrics["paged:num_kv_blocks"] == DP * NUM_BLOCKS
     for rank in range(DP):
-        assert metrics[f'paged:core_requests_added_total{{dp_rank="{rank}"}}'] == _added(dp_server)[rank]
+        host = dp_server.debug()["cores"][rank]["host"]
+        assert metrics[f'paged:core_requests_added_total{{dp_rank="{rank}",host="{host}"}}'] == _added(dp_server)[rank]
+    assert metrics["paged:engine_cores_serving"] == DP
 
 
 def test_shared_prefix_follows_its_core(dp_server):

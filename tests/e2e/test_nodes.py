@@ -1,0 +1,235 @@
+"""Engine cores on two "nodes" of this machine behind one API server, launched as vLLM users
+launch them: ``paged serve --data-parallel-size 2 --data-parallel-size-local 1
+--data-parallel-address 127.0.0.1 --data-parallel-rpc-port P`` and, as a separate process tree with
+its own cache folder, ``paged serve --headless ... --data-parallel-start-rank 1``, with CurveZMQ
+keys from ``paged keys``.
+
+Checked: answers through the official client equal HF transformers' greedy text (float32, a
+tiny random Llama) and requests land on both nodes; with ``--data-parallel-on-core-loss continue``
+a SIGKILLed node fails its in-flight requests within a few seconds with an error naming it, the
+others finish, /health says "degraded", the survivor frees every block, and the node rejoins when
+restarted; by default a lost node ends the engine (503, the server exits 1); a node with other
+keys or another ``max_model_len`` is refused, with a log line on both sides; a rank that never
+connects is named when the start-up times out."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from threading import Barrier
+
+import pytest
+import torch
+
+from helpers.server import free_port, serve, wait_for
+from helpers.tiny_llama import TINY, save_tiny_llama
+
+pytestmark = pytest.mark.slow
+PROMPTS = [[1, 504, 3575, 282, 4649, 314], [1, 9906, 11, 856, 836], [1, 1014, 2000, 3000], [1, 77, 78, 79, 80, 81, 82]]
+NEW_TOKENS = 8
+LONG = 480  # tokens of the requests in flight when a node is lost
+FAST_LOSS = ["--data-parallel-heartbeat-s", "0.5", "--data-parallel-timeout-s", "2"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, default_model_dir):
+    root = tmp_path_factory.mktemp("nodes")
+    model = save_tiny_llama(root / "tiny", default_model_dir, **{**TINY, "max_position_embeddings": 512})
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(root / "tiny")
+    with torch.inference_mode():
+        expected = [tokenizer.decode(model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                                    pad_token_id=2)[0, len(p):]) for p in PROMPTS]
+    for name in ("keys", "other-keys"):
+        proc = subprocess.run([sys.executable, "-m", "paged.core.cli", "keys", str(root / name)], capture_output=True,
+                              text=True)
+        assert proc.returncode == 0, proc.stderr
+    assert oct((root / "keys" / "node.key_secret").stat().st_mode & 0o777) == "0o600"
+    return root, expected
+
+
+def node_args(root, rpc_port: int, *extra: str, keys: str = "keys") -> list[str]:
+    return ["--model", str(root / "tiny"), "--device", "cpu", "--dtype", "float32", "--quantization", "none",
+            "--data-parallel-size", "2", "--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
+            "--data-parallel-rpc-port", str(rpc_port), "--data-parallel-keys", str(root / keys), *extra]
+
+
+@contextmanager
+def headless(root, rpc_port: int, *extra: str, keys: str = "keys", cache: str = "cache-node1"):
+    """Node 1: its own process group (to kill the whole node) and its own paged cache folder."""
+    log = root / f"node1-{rpc_port}-{time.monotonic_ns()}.log"
+    env = dict(os.environ, PAGED_CACHE_DIR=str(root / cache), HF_HUB_OFFLINE="1")
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "paged.core.cli", "serve", "--headless", *node_args(
+            root, rpc_port, "--data-parallel-start-rank", "1", *extra, keys=keys)], stdout=f, stderr=subprocess.STDOUT,
+            env=env, start_new_session=True)
+    try:
+        yield proc, log
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def kill_node(proc, core_pid: int) -> None:
+    """A node lost at once: its launcher and its engine core (a session of its own), SIGKILL."""
+    os.killpg(proc.pid, signal.SIGKILL)
+    os.kill(core_pid, signal.SIGKILL)
+
+
+def complete(server, prompt, max_tokens=NEW_TOKENS):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="sk-paged-test", max_retries=0)
+    try:
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                        extra_body={"ignore_eos": True})
+    except Exception as e:  # an APIStatusError: the test reads its status and message
+        return e
+    return out
+
+
+def text(out) -> str:
+    return out.choices[0].text
+
+
+def stream(server, prompt, max_tokens, started):
+    """A streamed completion: waits at ``started`` after its first chunk; the number of chunks
+    with text (one token each here), or the exception that ended it."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="sk-paged-test", max_retries=0)
+    count = 0
+    try:
+        for chunk in client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True}):
+            count += len(chunk.choices) and bool(chunk.choices[0].text)
+            if count == 1:
+                started.wait(60)
+    except Exception as e:
+        if count == 0:
+            started.abort()
+        return e
+    return count
+
+
+def test_two_nodes_serve_as_one_engine_and_survive_a_lost_node(setup, tmp_path):
+    root, expected = setup
+    rpc, port = free_port(), free_port()
+    front = ["--port", str(port), "--api-key", "sk-paged-test", "--served-model-name", "tiny",
+             "--data-parallel-on-core-loss", "continue", *FAST_LOSS]
+    with headless(root, rpc, *FAST_LOSS) as (node1, _), serve(node_args(root, rpc, *front), tmp_path, port) as server:
+        with ThreadPoolExecutor(8) as pool:
+            outs = list(pool.map(lambda p: complete(server, p), PROMPTS * 2))
+        assert [text(o) for o in outs] == expected * 2
+        cores = server.debug()["cores"]
+        assert [c["dp_rank"] for c in cores] == [0, 1] and all(c["num_requests_added"] > 0 for c in cores), cores
+        assert cores[0]["pid"] != cores[1]["pid"] and all(c["host"] for c in cores)
+        metrics = server.metrics()
+        assert metrics["paged:engine_cores_serving"] == 2
+        assert metrics[f'paged:core_requests_added_total{{dp_rank="1",host="{cores[1]["host"]}"}}'] > 0
+
+        # node 1 lost under load: its requests fail with its name within seconds, node 0's finish
+        core_pid = server.debug()["core_pids"][1]
+        with ThreadPoolExecutor(8) as pool:
+            started = Barrier(9)
+            running = [pool.submit(stream, server, PROMPTS[i % 4], LONG, started) for i in range(8)]
+            started.wait(60)  # every request has its first token: all 8 run, 4 on each core
+            killed_at = time.monotonic()
+            kill_node(node1, core_pid)
+            results = [f.result() for f in running]
+        failed = [r for r in results if isinstance(r, Exception)]
+        assert 0 < len(failed) < 8, results
+        assert all("data-parallel rank 1" in str(e) and "sent nothing for" in str(e) for e in failed), failed
+        assert time.monotonic() - killed_at < 15
+        assert all(r == LONG for r in results if not isinstance(r, Exception)), results
+        health = server.get("/health")
+        assert health.status_code == 200 and health.json()["status"] == "degraded"
+        assert list(health.json()["lost_cores"]) == ["1"] and server.metrics()["paged:engine_cores_serving"] == 1
+        survivor = server.debug()["core"]
+        assert survivor["num_free_blocks"] == survivor["num_blocks"]  # what the failed requests held is back
+        assert text(complete(server, PROMPTS[0])) == expected[0]
+
+        # node 1 restarted: it rejoins and gets requests again
+        with headless(root, rpc, *FAST_LOSS) as (node1, _):
+            wait_for(lambda: server.get("/health").content == b"", 120, "the node to rejoin")
+            with ThreadPoolExecutor(4) as pool:
+                outs = list(pool.map(lambda p: complete(server, p), PROMPTS))
+            assert [text(o) for o in outs] == expected
+            assert [c["num_requests_added"] > 0 for c in server.debug()["cores"]] == [True, True]
+
+
+def test_by_default_a_lost_node_ends_the_engine(setup, tmp_path):
+    root, _ = setup
+    rpc, port = free_port(), free_port()
+    front = ["--port", str(port), "--api-key", "sk-paged-test", "--served-model-name", "tiny", *FAST_LOSS]
+    with headless(root, rpc, *FAST_LOSS) as (node1, _), serve(node_args(root, rpc, *front), tmp_path, port) as server:
+        core_pid = server.debug()["core_pids"][1]
+        with ThreadPoolExecutor(4) as pool:
+            started = Barrier(5)
+            running = [pool.submit(stream, server, PROMPTS[i], LONG, started) for i in range(4)]
+            started.wait(60)
+            kill_node(node1, core_pid)
+            results = [f.result() for f in running]
+        failed = [r for r in results if isinstance(r, Exception)]
+        assert failed and all("data-parallel rank 1" in str(e) for e in failed), results  # (node 0's may finish first)
+        assert server.proc.wait(60) == 1  # on_engine_death = exit
+        assert "data-parallel rank 1" in server.log_tail() and "its process or node is lost" in server.log_tail()
+
+
+def test_other_keys_and_other_settings_are_refused_on_both_sides(setup, tmp_path):
+    root, expected = setup
+    rpc, port = free_port(), free_port()
+    log = tmp_path / "node0.log"
+    front = ["--port", str(port), "--api-key", "sk-paged-test", "--served-model-name", "tiny"]
+    with open(log, "w") as f:
+        node0 = subprocess.Popen([sys.executable, "-m", "paged.core.cli", "serve", *node_args(root, rpc, *front)],
+                                 stdout=f, stderr=subprocess.STDOUT)
+    try:
+        with headless(root, rpc, keys="other-keys") as (bad, bad_log):
+            assert bad.wait(120) == 3
+        assert "refused this node's keys" in bad_log.read_text()
+        with headless(root, rpc, "--max-model-len", "256") as (other, other_log):
+            assert other.wait(120) == 3
+        assert "differ from data-parallel rank 0's: max_model_len 512 != 256" in other_log.read_text()
+        node0_log = log.read_text()
+        assert "tried to connect with keys this API server does not accept" in node0_log
+        assert "refused the engine core of data-parallel rank 1" in node0_log and "max_model_len 512 != 256" in node0_log
+        with headless(root, rpc):
+            from helpers.server import Server
+
+            server = Server(node0, port, log)
+            wait_for(lambda: _healthy(server), 120, "the engine with the right node")
+            assert text(complete(server, PROMPTS[1])) == expected[1]
+    finally:
+        node0.send_signal(signal.SIGTERM)
+        node0.wait(60)
+
+
+def _healthy(server) -> bool:
+    import httpx
+
+    try:
+        return server.get("/health").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_start_up_names_the_ranks_that_never_connected(setup, tmp_path):
+    root, _ = setup
+    rpc, port = free_port(), free_port()
+    proc = subprocess.run([sys.executable, "-m", "paged.core.cli", "serve", *node_args(
+        root, rpc, "--port", str(port), "--data-parallel-start-timeout-s", "3")], capture_output=True, text=True,
+        timeout=300)
+    assert proc.returncode == 1
+    assert "data-parallel ranks 1 did not connect to tcp://127.0.0.1" in proc.stderr, proc.stderr[-2000:]
