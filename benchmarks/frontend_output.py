@@ -137,6 +137,13 @@ class FakeClient:
         self.pid, self.pids = 1, [1]
         self.pull, self.decoder = FakePull(), message_decoder()
         self.alive, self.closed, self._closed = True, False, False  # (_closed: a front-end before `closed`)
+        self.multi_node, self.keep_serving, self.lost, self.hosts = False, False, {}, [""]
+
+    def live_ranks(self) -> list[int]:
+        return [0]
+
+    def core_down(self, rank: int) -> str | None:
+        return None
 
     async def send(self, msg, core: int = 0) -> None:
         pass

@@ -11,6 +11,12 @@ decoding (ignore EOS), each configuration in fresh processes one after the other
   --max-concurrency requests in flight):
     dp1     one engine core with every thread
     dp2     two engine cores (``--data-parallel-size 2``), the threads shared between them
+    dp2/2n  the same two cores on two "nodes": the second a ``paged serve --headless`` process tree
+            connecting over 127.0.0.1 with CurveZMQ keys (tcp instead of ipc, encryption)
+    dp4, dp4/2n  four cores, on one node or two of two each
+  the front-end's own costs (``nodes``): the router's microseconds per request at 2, 8 and 64
+  cores, the front-end's CPU microseconds per streamed output token, and from them and dp1 an
+  estimate for 8-64 cores, one per machine: min(N x one core's tok/s, the front-end's tok/s).
 
 Prints output tokens/s per configuration, the ratios tp2/tp1 and dp2/dp1, and the scaling
 efficiency against one thread (tokens/s / (processes x tp1/1t)). On a machine with few cores the
@@ -70,18 +76,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def served(args, dp: int) -> dict:
+def served(args, dp: int, nodes: int = 1) -> dict:
+    """``dp`` engine cores behind one ``paged serve``; with ``nodes`` 2, half of them in a second
+    process tree (``paged serve --headless``) connecting over 127.0.0.1 with CurveZMQ keys, as
+    another machine's would."""
+    import tempfile
+
     import httpx
 
     import serve as serve_bench
 
     port = _free_port()
-    cmd = [sys.executable, "-m", "paged.core.cli", "serve", "--port", str(port), "--quiet", "--dtype", args.dtype,
-           "--device", "cpu", "--data-parallel-size", str(dp), "--max-num-seqs", str(args.max_num_seqs),
-           "--num-kv-blocks", str(args.num_kv_blocks)]
+    common = ["--quiet", "--dtype", args.dtype, "--device", "cpu", "--data-parallel-size", str(dp), "--max-num-seqs",
+              str(args.max_num_seqs), "--num-kv-blocks", str(args.num_kv_blocks)]
     if args.model:
-        cmd += ["--model", args.model]
+        common += ["--model", args.model]
+    if nodes == 2:
+        keys = Path(tempfile.mkdtemp(prefix="paged-keys-")) / "keys"
+        subprocess.run([sys.executable, "-m", "paged.core.cli", "keys", str(keys)], check=True, capture_output=True)
+        common += ["--data-parallel-size-local", str(dp // 2), "--data-parallel-address", "127.0.0.1",
+                   "--data-parallel-rpc-port", str(_free_port()), "--data-parallel-keys", str(keys)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGED_")}
+    if nodes == 2:  # two "machines" on this one: each core gets its share of the CPU, as one node's cores do
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // dp))
+    node1 = None
+    if nodes == 2:
+        node1 = subprocess.Popen([sys.executable, "-m", "paged.core.cli", "serve", "--headless", *common,
+                                  "--data-parallel-start-rank", str(dp // 2)], env=env, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL, start_new_session=True)
+    cmd = [sys.executable, "-m", "paged.core.cli", "serve", "--port", str(port), *common]
     server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
@@ -108,11 +131,59 @@ def served(args, dp: int) -> dict:
             server.wait(30)
         except subprocess.TimeoutExpired:
             server.kill()
+        if node1 is not None:
+            os.killpg(node1.pid, signal.SIGTERM)
+            node1.wait(30)
     if summary["failed_requests"]:
         raise RuntimeError(f"dp={dp}: {summary['failed_requests']} requests failed: {summary.get('errors')}")
     return {"tokens_per_s": summary["output_token_throughput"], "elapsed_s": summary["duration_s"],
             "output_tokens": summary["total_output_tokens"], "ttft_ms_median": summary["ttft_ms"]["median"],
             "tpot_ms_median": summary["tpot_ms"]["median"]}
+
+
+# --- the front-end's own costs, and a scale-out estimate ------------------------------------------
+def routing_us(num_cores: int, prompt_len: int = 512, block_size: int = 16, requests: int = 2000) -> float:
+    """Microseconds the data-parallel router takes per request (hashing the prompt's blocks with
+    the prefix cache's keys, choosing, remembering, and the finish), prompts of random tokens."""
+    import random
+
+    from paged.core.frontend.dp_router import DataParallelRouter
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, 30000) for _ in range(prompt_len)] for _ in range(requests)]
+    router = DataParallelRouter(num_cores, block_size, max_hashes=num_cores * 8192)
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        router.route(f"r{i}", prompt)
+        if i >= 4 * num_cores:  # a steady state: as many finish as arrive
+            router.finish(f"r{i - 4 * num_cores}")
+    return 1e6 * (time.perf_counter() - start) / requests
+
+
+def front_end_us_per_token(batch: int = 16, length: int = 128) -> float:
+    """CPU microseconds the front-end spends per streamed output token (AsyncLLM's output handler,
+    detokenizer and a stream consumer per request; ``benchmarks/frontend_output.py``)."""
+    import frontend_output
+
+    tokenizer = frontend_output.load_tokenizer()
+    from paged.core.frontend.outputs import RequestOutputKind
+
+    return min(1e6 * frontend_output.run_async(tokenizer, batch, length, False, RequestOutputKind.DELTA)
+               / (batch * length) for _ in range(3))
+
+
+def scale_out_estimate(one_core_tok_s: float, per_token_us: float, routing: dict[int, float], output_len: int,
+                       cores=(8, 16, 32, 64)) -> list[dict]:
+    """Served output tok/s for N cores, each on a machine of its own: the cores' capacity (N x one
+    core's, measured; they share nothing but the front-end) against the one front-end's, which
+    spends ``per_token_us`` of its single thread per output token and the routing per request."""
+    rows = []
+    for n in cores:
+        route = routing.get(n) or max(routing.values())
+        front_end = 1e6 / (per_token_us + route / output_len)
+        rows.append({"cores": n, "cores_tok_s": n * one_core_tok_s, "front_end_tok_s": front_end,
+                     "served_tok_s": min(n * one_core_tok_s, front_end)})
+    return rows
 
 
 # --- driver ------------------------------------------------------------------------------------
@@ -140,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--num-kv-blocks", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--skip", nargs="*", default=[], choices=["tp", "dp"], help="leave out a part")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["tp", "dp", "nodes"], help="leave out a part")
     parser.add_argument("--json-out", default=None)
     parser.add_argument("--phase", choices=["offline"], help=argparse.SUPPRESS)
     parser.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
@@ -163,10 +234,24 @@ def main(argv: list[str] | None = None) -> None:
         results["tp1/1t"].pop("token_ids")
         results["tp_same_tokens"] = same
     if "dp" not in args.skip:
-        for name, dp in (("dp1", 1), ("dp2", 2)):
-            results[name] = served(args, dp)
+        for name, dp, nodes in (("dp1", 1, 1), ("dp2", 2, 1), ("dp2/2n", 2, 2), ("dp4", 4, 1), ("dp4/2n", 4, 2)):
+            results[name] = served(args, dp, nodes)
             print(f"  {name:7s} {results[name]['tokens_per_s']:8.1f} output tok/s  (served, median TTFT "
                   f"{results[name]['ttft_ms_median']:.0f} ms, TPOT {results[name]['tpot_ms_median']:.1f} ms)", flush=True)
+    if "nodes" not in args.skip:
+        routing = {n: routing_us(n) for n in (2, 8, 64)}
+        per_token = front_end_us_per_token()
+        results["routing_us_per_request"] = routing
+        results["front_end_us_per_token"] = per_token
+        print(f"\nfront-end: routing {', '.join(f'{n} cores {us:.1f} us' for n, us in routing.items())} per request "
+              f"(512-token prompts); {per_token:.2f} us per streamed output token", flush=True)
+        if "dp1" in results:
+            rows = scale_out_estimate(results["dp1"]["tokens_per_s"], per_token, routing, args.serve_output_len)
+            results["scale_out_estimate"] = rows
+            print("estimated, one core per machine:  cores | cores' tok/s | front-end's tok/s | served")
+            for row in rows:
+                print(f"  {row['cores']:5d} | {row['cores_tok_s']:12.0f} | {row['front_end_tok_s']:17.0f} | "
+                      f"{row['served_tok_s']:.0f}")
 
     print("\nratios (same run):")
     if "tp2" in results:
@@ -176,7 +261,9 @@ def main(argv: list[str] | None = None) -> None:
               f"tp2 efficiency vs 2 x one thread = {results['tp2']['tokens_per_s'] / (2 * one):.0%}); "
               f"greedy tokens identical: {results['tp_same_tokens']}")
     if "dp2" in results:
-        print(f"  dp2 / dp1 = {results['dp2']['tokens_per_s'] / results['dp1']['tokens_per_s']:.2f}x")
+        one = results["dp1"]["tokens_per_s"]
+        print("  " + ", ".join(f"{name} / dp1 = {results[name]['tokens_per_s'] / one:.2f}x"
+                               for name in ("dp2", "dp2/2n", "dp4", "dp4/2n") if name in results))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=2))
     if results.get("tp_same_tokens") is False:

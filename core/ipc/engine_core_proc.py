@@ -12,6 +12,12 @@ that core's READY, and all PUSH to the one PULL (request ids are unique, so an o
 sender). The front-end sends each request to one core (``paged.core.frontend.dp_router``) and utility
 calls to every core.
 
+On several machines (``parallel.data_parallel_address``) the two sockets are TCP on that address
+instead, CURVE-encrypted with ``data_parallel_keys``, and the cores of other nodes (``paged serve
+--headless``, ``paged.core.ipc.headless``) connect to them as the local ones do; each core then
+sends a ``Heartbeat`` every ``data_parallel_heartbeat_s`` and exits when its connection to the
+front-end has been down for ``data_parallel_timeout_s`` (``paged.core.ipc.nodes``).
+
 The messages are in ``paged.core.ipc.messages``; the front-end's side is
 ``paged.core.ipc.client.EngineCoreClient``.
 

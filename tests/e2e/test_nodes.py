@@ -35,6 +35,9 @@ PROMPTS = [[1, 504, 3575, 282, 4649, 314], [1, 9906, 11, 856, 836], [1, 1014, 20
 NEW_TOKENS = 8
 LONG = 480  # tokens of the requests in flight when a node is lost
 FAST_LOSS = ["--data-parallel-heartbeat-s", "0.5", "--data-parallel-timeout-s", "2"]
+# Two "machines" on this one: a thread per node (each node's cores would otherwise take every CPU
+# thread, and the two nodes' OpenMP threads would fight over them)
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +68,7 @@ def node_args(root, rpc_port: int, *extra: str, keys: str = "keys") -> list[str]
 def headless(root, rpc_port: int, *extra: str, keys: str = "keys", cache: str = "cache-node1"):
     """Node 1: its own process group (to kill the whole node) and its own paged cache folder."""
     log = root / f"node1-{rpc_port}-{time.monotonic_ns()}.log"
-    env = dict(os.environ, PAGED_CACHE_DIR=str(root / cache), HF_HUB_OFFLINE="1")
+    env = dict(os.environ, PAGED_CACHE_DIR=str(root / cache), HF_HUB_OFFLINE="1", **ONE_THREAD)
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "paged.core.cli", "serve", "--headless", *node_args(
             root, rpc_port, "--data-parallel-start-rank", "1", *extra, keys=keys)], stdout=f, stderr=subprocess.STDOUT,
@@ -128,7 +131,8 @@ def test_two_nodes_serve_as_one_engine_and_survive_a_lost_node(setup, tmp_path):
     rpc, port = free_port(), free_port()
     front = ["--port", str(port), "--api-key", "sk-paged-test", "--served-model-name", "tiny",
              "--data-parallel-on-core-loss", "continue", *FAST_LOSS]
-    with headless(root, rpc, *FAST_LOSS) as (node1, _), serve(node_args(root, rpc, *front), tmp_path, port) as server:
+    with headless(root, rpc, *FAST_LOSS) as (node1, _), \
+            serve(node_args(root, rpc, *front), tmp_path, port, ONE_THREAD) as server:
         with ThreadPoolExecutor(8) as pool:
             outs = list(pool.map(lambda p: complete(server, p), PROMPTS * 2))
         assert [text(o) for o in outs] == expected * 2
@@ -173,7 +177,8 @@ def test_by_default_a_lost_node_ends_the_engine(setup, tmp_path):
     root, _ = setup
     rpc, port = free_port(), free_port()
     front = ["--port", str(port), "--api-key", "sk-paged-test", "--served-model-name", "tiny", *FAST_LOSS]
-    with headless(root, rpc, *FAST_LOSS) as (node1, _), serve(node_args(root, rpc, *front), tmp_path, port) as server:
+    with headless(root, rpc, *FAST_LOSS) as (node1, _), \
+            serve(node_args(root, rpc, *front), tmp_path, port, ONE_THREAD) as server:
         core_pid = server.debug()["core_pids"][1]
         with ThreadPoolExecutor(4) as pool:
             started = Barrier(5)
@@ -194,7 +199,7 @@ def test_other_keys_and_other_settings_are_refused_on_both_sides(setup, tmp_path
     front = ["--port", str(port), "--api-key", "sk-paged-test", "--served-model-name", "tiny"]
     with open(log, "w") as f:
         node0 = subprocess.Popen([sys.executable, "-m", "paged.core.cli", "serve", *node_args(root, rpc, *front)],
-                                 stdout=f, stderr=subprocess.STDOUT)
+                                 stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, **ONE_THREAD))
     try:
         with headless(root, rpc, keys="other-keys") as (bad, bad_log):
             assert bad.wait(120) == 3
@@ -233,3 +238,16 @@ def test_start_up_names_the_ranks_that_never_connected(setup, tmp_path):
         timeout=300)
     assert proc.returncode == 1
     assert "data-parallel ranks 1 did not connect to tcp://127.0.0.1" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_readme_node_commands_use_the_flags_tested_here(setup):
+    """The README's two-node commands (not runnable here: two hosts) use only flags these tests run."""
+    from helpers import REPO_ROOT
+
+    section = (REPO_ROOT / "README.md").read_text().split("## Engine cores on several machines\n", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [line for line in block.splitlines() if line.startswith("paged serve")]
+    assert len(commands) == 2 and "--headless" in commands[1]
+    readme_flags = {word for line in commands for word in line.split() if word.startswith("--")}
+    tested = set(node_args(setup[0], 1, "--data-parallel-start-rank", "1", "--headless", "--host", "127.0.0.1"))
+    assert readme_flags <= tested, readme_flags - tested
