@@ -56,7 +56,7 @@ SLOWEST_FIRST = [  # seconds a unit took on its worker (`pytest -v`, both worker
     "tests/models/test_qwen3_mistral_phi3.py",  # 85
     "tests/e2e/test_moe_engine.py",  # 70
     "tests/e2e/test_nodes.py",  # 55: two-node launches
-    "tests/e2e/test_readme.py::test_readme_bash_block_runs[paged-14]",  # 37, the lab block (ids count the blocks: renumber when one is added above it)
+    "tests/e2e/test_readme.py::test_readme_bash_block_runs[paged-15]",  # 37, the lab block (ids count the blocks: renumber when one is added above it)
     "tests/e2e/test_readme.py",  # 65: the Python blocks and the inline commands
     "tests/core/server/test_server.py",  # 65
     "tests/core/engine/test_pooling.py",  # 65 (alone: 88 with another worker's suite running)

@@ -106,11 +106,33 @@ def _read_prompts(args: argparse.Namespace) -> list[dict[str, Any]]:
     return items
 
 
-def _is_torchrun_worker() -> bool:
-    from paged.core.engine.distributed import rendezvous_from_env
+def _is_torchrun_worker(config: EngineConfig) -> bool:
+    """Under torchrun: a rank that is not the first of its engine core's tensor-parallel group."""
+    from paged.core.engine.tp_ranks import torchrun_placement
 
-    launched = rendezvous_from_env()
-    return launched is not None and launched[0] != 0
+    placement = torchrun_placement(config)
+    return placement is not None and placement[1] != 0
+
+
+def _torchrun_node(config: EngineConfig) -> EngineConfig:
+    """Under torchrun with data parallelism (WORLD_SIZE = data parallel x tensor parallel), the
+    first rank of engine core g's group is node g: the API server with core 0 (g = 0, which also
+    hosts the groups' rendezvous store) or a headless node with core g, both over
+    ``data_parallel_address`` (default MASTER_ADDR)."""
+    from paged.core.config import ParallelConfig
+    from paged.core.engine.tp_ranks import host_group_store, torchrun_placement
+
+    placement = torchrun_placement(config)
+    parallel = config.parallel
+    if placement is None or parallel.data_parallel_size == 1:
+        return config
+    group = placement[0]
+    node = {**parallel.model_dump(), "data_parallel_size_local": 1, "data_parallel_start_rank": group,
+            "headless": group > 0, "data_parallel_address": parallel.data_parallel_address or os.environ["MASTER_ADDR"]}
+    config = config.model_copy(update={"parallel": ParallelConfig.model_validate(node)})
+    if group == 0:
+        host_group_store()
+    return config
 
 
 def _run_torchrun_worker(config: EngineConfig) -> int:
@@ -127,7 +149,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     with startup_times.phase("config"):
         config = engine_config_from_args(args)
-    if _is_torchrun_worker():
+    if _is_torchrun_worker(config):
         return _run_torchrun_worker(config)
     items = _read_prompts(args)
     defaults: dict[str, Any] = {"temperature": 0.0, "max_tokens": 128}
@@ -285,13 +307,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = engine_config_from_args(args)
     resolve_plugins(config, device=_device_for_check(config))  # bad plugin names fail before anything starts
-    if os.environ.get("WORLD_SIZE", "1") != "1" and config.parallel.data_parallel_size > 1:
-        raise ConfigError(
-            f"parallel.data_parallel_size: {config.parallel.data_parallel_size} cannot be combined with a "
-            "torchrun launch (WORLD_SIZE is set); under torchrun use --tensor-parallel-size only"
-        )
-    if _is_torchrun_worker():
+    if _is_torchrun_worker(config):
         return _run_torchrun_worker(config)
+    config = _torchrun_node(config)
     if config.parallel.headless:  # engine cores only, for the API server on another node
         from paged.core.ipc.headless import run_headless
 

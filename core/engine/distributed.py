@@ -108,16 +108,23 @@ def rendezvous_from_env() -> tuple[int, int] | None:
 # Ranks other than 0 wait in a broadcast for as long as the server is idle: the group's timeout
 # must outlast any idle spell. A rank that dies is noticed by its peers' closed connections.
 _GROUP_TIMEOUT = datetime.timedelta(days=3650)
+_STORE_TIMEOUT = datetime.timedelta(seconds=600)  # how long the ranks of a group wait for each other to join
 
 
-def init_tensor_parallel(rank: int, size: int, device: torch.device, master_addr: str, master_port: int) -> TensorParallel:
+def init_tensor_parallel(rank: int, size: int, device: torch.device, master_addr: str, master_port: int,
+                         own_store: bool = False) -> TensorParallel:
     """Join the rendezvous at ``master_addr:master_port`` as ``rank`` of ``size`` and make the
-    group current for the layers built afterwards."""
+    group current for the layers built afterwards. ``own_store``: rank 0 hosts the rendezvous
+    store itself even under torchrun (a data-parallel group's own rendezvous, not the agent's)."""
     global _tp
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(
-        backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=size, timeout=_GROUP_TIMEOUT
-    )
+    if own_store:
+        store = dist.TCPStore(master_addr, master_port, size, is_master=rank == 0, timeout=_STORE_TIMEOUT)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=_GROUP_TIMEOUT)
+    else:
+        dist.init_process_group(
+            backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=size, timeout=_GROUP_TIMEOUT
+        )
     cpu_group = dist.new_group(backend="gloo", timeout=_GROUP_TIMEOUT) if backend != "gloo" else dist.group.WORLD
     _tp = TensorParallel(rank, size, dist.group.WORLD, cpu_group)
     return _tp

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import datetime
 import logging
 import os
 import socket
@@ -79,11 +80,18 @@ class TensorParallelRanks:
         launched = rendezvous_from_env()
         if launched is not None:
             rank, world = launched
-            if world != size:
-                raise ConfigError(
-                    f"parallel.tensor_parallel_size: {size}, but torchrun started WORLD_SIZE={world} "
-                    f"ranks; pass --tensor-parallel-size {world}"
-                )
+            if world != size:  # torchrun with data parallelism: this core is one group of ranks
+                group, group_rank = torchrun_placement(config)
+                if group_rank != 0:
+                    raise PagedError(f"rank {rank} must run the worker loop of group {group}, not an engine core")
+                if size == 1:
+                    return None
+                device = rank_device(device, int(os.environ.get("LOCAL_RANK", "0")))
+                host, port = publish_group_address(group)
+                tp = init_tensor_parallel(0, size, device, host, port, own_store=True)
+                logger.info("tensor parallel: group %d, %d ranks under torchrun (rendezvous at %s:%d)", group, size,
+                            host, port)
+                return cls(tp, device, [])
             if rank != 0:
                 raise PagedError(f"rank {rank} must run the worker loop, not an engine core")
             device = rank_device(device, int(os.environ.get("LOCAL_RANK", "0")))
@@ -172,7 +180,8 @@ def _stop_processes(procs: list[subprocess.Popen], timeout: float) -> None:
 # ---- the other ranks ---------------------------------------------------------------------------
 
 
-def run_worker(config: EngineConfig, rank: int, size: int, master_addr: str, master_port: int, local_rank: int) -> int:
+def run_worker(config: EngineConfig, rank: int, size: int, master_addr: str, master_port: int, local_rank: int,
+               own_store: bool = False) -> int:
     """Join the group as ``rank``, build this rank's share of the model and KV cache, and run the
     steps rank 0 broadcasts until it says stop."""
     from paged.core.engine.model_runner import ModelRunner, resolve_device
@@ -186,7 +195,7 @@ def run_worker(config: EngineConfig, rank: int, size: int, master_addr: str, mas
         )
     device = rank_device(resolve_device(config.device), local_rank)
     configure_cpu_threads(config, device)
-    init_tensor_parallel(rank, size, device, master_addr, master_port)
+    init_tensor_parallel(rank, size, device, master_addr, master_port, own_store)
     try:
         registry = get_registry()
         model = resolve_model(config, registry, device)  # this process's own copy of rank 0's resolution
@@ -199,10 +208,80 @@ def run_worker(config: EngineConfig, rank: int, size: int, master_addr: str, mas
 
 
 def run_worker_from_env(config: EngineConfig) -> int:
-    """A torchrun-started rank other than 0."""
-    rank, size = rendezvous_from_env()
-    return run_worker(config, rank, size, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                      int(os.environ.get("LOCAL_RANK", "0")))
+    """A torchrun-started rank other than its group's first (with data parallelism, each group of
+    ``tensor_parallel_size`` ranks is one engine core: it joins its group's rendezvous)."""
+    rank, world = rendezvous_from_env()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    size = config.parallel.tensor_parallel_size
+    if world == size:
+        return run_worker(config, rank, size, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), local_rank)
+    group, group_rank = torchrun_placement(config)
+    host, port = group_address(group)
+    return run_worker(config, group_rank, size, host, port, local_rank, own_store=True)
+
+
+# ---- torchrun with data parallelism -------------------------------------------------------------
+# WORLD_SIZE = data_parallel_size x tensor_parallel_size: process RANK belongs to group RANK // TP
+# (one engine core, data-parallel rank g) as its rank RANK % TP. Torchrun rank 0 serves the API (a
+# node with core 0), each other group's first rank is a headless node with its core, the rest are
+# workers. Each group meets on a rendezvous of its own, whose address its first rank publishes in
+# a TCPStore on MASTER_ADDR:MASTER_PORT that torchrun rank 0 hosts (``host_group_store``); the
+# request traffic goes over ZeroMQ as between any nodes (paged.core.ipc.nodes).
+_GROUP_KEY = "paged/tp-group/{}"
+_group_store_server = None  # torchrun rank 0's, alive while it serves
+
+
+def torchrun_placement(config: EngineConfig) -> tuple[int, int] | None:
+    """Under torchrun: (data-parallel rank, rank in its tensor-parallel group) of this process;
+    None without torchrun. ConfigError when WORLD_SIZE is neither tensor_parallel_size nor
+    data_parallel_size x tensor_parallel_size."""
+    launched = rendezvous_from_env()
+    if launched is None:
+        return None
+    rank, world = launched
+    tp, dp = config.parallel.tensor_parallel_size, config.parallel.data_parallel_size
+    if world != tp * dp:
+        raise ConfigError(
+            f"parallel.tensor_parallel_size: torchrun started WORLD_SIZE={world} processes, which must be "
+            f"data_parallel_size x tensor_parallel_size ({dp} x {tp} = {dp * tp}); pass --tensor-parallel-size "
+            f"{world // dp if world % dp == 0 else world} (with --data-parallel-size {dp if world % dp == 0 else 1})")
+    return divmod(rank, tp)
+
+
+def _store(is_master: bool):
+    return torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=is_master,
+                                      wait_for_workers=False, timeout=datetime.timedelta(seconds=600))
+
+
+def host_group_store() -> None:
+    """Torchrun rank 0 with data parallelism: host the store the groups publish their addresses in
+    (torchrun's agent hosts one there already when it says so: TORCHELASTIC_USE_AGENT_STORE)."""
+    global _group_store_server
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        _group_store_server = _store(is_master=True)
+
+
+def _address_towards(host: str) -> str:
+    """This machine's address on the route to ``host`` (what the other machines reach it by)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))  # no packet is sent: this only picks the route
+        return s.getsockname()[0]
+
+
+def publish_group_address(group: int) -> tuple[str, int]:
+    """A group's first rank: pick its rendezvous address and tell the group's other ranks."""
+    host = _address_towards(os.environ["MASTER_ADDR"])
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    _store(is_master=False).set(_GROUP_KEY.format(group), f"{host}:{port}")
+    return host, port
+
+
+def group_address(group: int) -> tuple[str, int]:
+    """The rendezvous address of ``group`` (waits until its first rank published it)."""
+    host, _, port = _store(is_master=False).get(_GROUP_KEY.format(group)).decode().rpartition(":")
+    return host, int(port)
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:

@@ -28,8 +28,8 @@ def _core_devices(config, local_index: int) -> dict[str, str]:
     ``tensor_parallel_size`` GPUs (that slice of the visible ones), so every core's ranks start at
     ``cuda:0``."""
     local = config.parallel.local_cores
-    if config.parallel.data_parallel_size == 1 or config.device == "cpu":
-        return {}
+    if config.parallel.data_parallel_size == 1 or config.device == "cpu" or "LOCAL_RANK" in os.environ:
+        return {}  # (under torchrun each process takes the GPU of its LOCAL_RANK)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         import torch

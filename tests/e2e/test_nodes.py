@@ -251,3 +251,51 @@ def test_the_readme_node_commands_use_the_flags_tested_here(setup):
     readme_flags = {word for line in commands for word in line.split() if word.startswith("--")}
     tested = set(node_args(setup[0], 1, "--data-parallel-start-rank", "1", "--headless", "--host", "127.0.0.1"))
     assert readme_flags <= tested, readme_flags - tested
+
+
+def test_torchrun_launches_data_times_tensor_parallelism(setup, tmp_path):
+    """Two torchrun launchers over 127.0.0.1 (``--nnodes 2 --nproc-per-node 2``), WORLD_SIZE 4 =
+    2 engine cores x 2 tensor-parallel ranks: node 0's first rank serves and runs core 0, node
+    1's first rank is a headless node with core 1, the others are the cores' workers; each group
+    meets on its own rendezvous, the requests go over ZeroMQ."""
+    import httpx
+
+    from helpers.server import Server
+
+    root, expected = setup
+    master, port, rpc = str(free_port()), free_port(), str(free_port())
+    launchers = []
+    for node_rank in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+               "--node-rank", str(node_rank), "--master-addr", "127.0.0.1", "--master-port", master,
+               "-m", "paged.core.cli", "serve", "--data-parallel-size", "2", "--tensor-parallel-size", "2",
+               "--data-parallel-rpc-port", rpc, "--port", str(port), "--model", str(root / "tiny"), "--dtype", "float32",
+               "--quantization", "none", "--api-key", "sk-paged-test", "--served-model-name", "tiny"]
+        log = tmp_path / f"launcher{node_rank}.log"
+        with open(log, "w") as f:
+            launchers.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                              env=dict(os.environ, HF_HUB_OFFLINE="1",
+                                                       PAGED_CACHE_DIR=str(tmp_path / f"cache{node_rank}"))))
+    server = Server(launchers[0], port, tmp_path / "launcher0.log")
+    try:
+        def healthy():
+            assert all(p.poll() is None for p in launchers), (tmp_path / "launcher0.log").read_text()[-3000:]
+            try:
+                return server.get("/health").status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(healthy, 300, "the torchrun-launched engine")
+        with ThreadPoolExecutor(4) as pool:
+            outs = list(pool.map(lambda p: complete(server, p), PROMPTS * 2))
+        assert [text(o) for o in outs] == expected * 2
+        assert [c["num_requests_added"] > 0 for c in server.debug()["cores"]] == [True, True]
+    finally:
+        for p in launchers:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in launchers:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)

@@ -53,7 +53,8 @@ BIN = Path(sys.executable).parent
 SECTIONS_TESTED_ELSEWHERE = ("Plugins", "Writing a plugin", "Writing a model plugin", "Writing a policy")
 NOT_RUN = {  # command prefix: why
     "bash .ci/setup && .venv/bin/python -m pytest": "the test suite itself (.ci/run)",
-    "torchrun ": "two hosts; tests/core/engine/test_tensor_parallel.py runs it over loopback",
+    "torchrun ": "two hosts; tests/core/engine/test_tensor_parallel.py and tests/e2e/test_nodes.py run them over "
+                 "loopback",
     "paged serve --data-parallel-size 4 --data-parallel-size-local 2 --data-parallel-address 10.0.0.1":
         "node 0 of two hosts; tests/e2e/test_nodes.py runs the same flags over loopback",
     "paged serve --headless": "node 1 of two hosts; tests/e2e/test_nodes.py runs it over loopback",
@@ -307,7 +308,7 @@ def test_readme_parses_as_expected():
     assert any(c.startswith("curl -s localhost:8000/v1/chat/completions -H \"Authorization: Bearer $KEY\"") for c in commands)
     assert all("\\\n" not in c and not c.startswith("#") for c in commands)
     skipped = [c for c in commands if _prepare(c) is None]
-    assert len(skipped) == 4, skipped  # the test-suite line, torchrun and the two nodes, nothing else
+    assert len(skipped) == 5, skipped  # the test-suite line, the two torchrun lines and the two nodes, nothing else
     expected = [c.expect for block in BLOCKS for c in block if c.expect]
     assert "The capital of France is Paris." in expected, expected
     # the Python blocks: LLM, embeddings offline, the structured output offline and through the official client
