@@ -33,7 +33,7 @@ from helpers.tiny_llama import TINY, save_tiny_llama
 pytestmark = pytest.mark.slow
 PROMPTS = [[1, 504, 3575, 282, 4649, 314], [1, 9906, 11, 856, 836], [1, 1014, 2000, 3000], [1, 77, 78, 79, 80, 81, 82]]
 NEW_TOKENS = 8
-LONG = 480  # tokens of the requests in flight when a node is lost
+LONG = 3000  # tokens of the requests in flight when a node is lost (seconds of decoding, even on a busy machine)
 FAST_LOSS = ["--data-parallel-heartbeat-s", "0.5", "--data-parallel-timeout-s", "2"]
 # Two "machines" on this one: a thread per node (each node's cores would otherwise take every CPU
 # thread, and the two nodes' OpenMP threads would fight over them)
@@ -43,7 +43,7 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, default_model_dir):
     root = tmp_path_factory.mktemp("nodes")
-    model = save_tiny_llama(root / "tiny", default_model_dir, **{**TINY, "max_position_embeddings": 512})
+    model = save_tiny_llama(root / "tiny", default_model_dir, **{**TINY, "max_position_embeddings": 4096})
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(root / "tiny")
@@ -149,6 +149,7 @@ def test_two_nodes_serve_as_one_engine_and_survive_a_lost_node(setup, tmp_path):
             started = Barrier(9)
             running = [pool.submit(stream, server, PROMPTS[i % 4], LONG, started) for i in range(8)]
             started.wait(60)  # every request has its first token: all 8 run, 4 on each core
+            assert server.debug()["cores"][1]["num_running"] > 0
             killed_at = time.monotonic()
             kill_node(node1, core_pid)
             results = [f.result() for f in running]
@@ -164,13 +165,17 @@ def test_two_nodes_serve_as_one_engine_and_survive_a_lost_node(setup, tmp_path):
         assert survivor["num_free_blocks"] == survivor["num_blocks"]  # what the failed requests held is back
         assert text(complete(server, PROMPTS[0])) == expected[0]
 
-        # node 1 restarted: it rejoins and gets requests again
-        with headless(root, rpc, *FAST_LOSS) as (node1, _):
+        # node 1 restarted: it rejoins and gets requests again; when the API server stops, it exits
+        with headless(root, rpc, *FAST_LOSS) as (node1, node1_log):
             wait_for(lambda: server.get("/health").content == b"", 120, "the node to rejoin")
             with ThreadPoolExecutor(4) as pool:
                 outs = list(pool.map(lambda p: complete(server, p), PROMPTS))
             assert [text(o) for o in outs] == expected
             assert [c["num_requests_added"] > 0 for c in server.debug()["cores"]] == [True, True]
+            server.proc.send_signal(signal.SIGTERM)
+            assert server.proc.wait(60) == 0
+            assert node1.wait(30) == 0  # no SIGTERM of its own: its core saw the API server go
+            assert "the connection to the API server at" in node1_log.read_text()
 
 
 def test_by_default_a_lost_node_ends_the_engine(setup, tmp_path):
@@ -206,10 +211,10 @@ def test_other_keys_and_other_settings_are_refused_on_both_sides(setup, tmp_path
         assert "refused this node's keys" in bad_log.read_text()
         with headless(root, rpc, "--max-model-len", "256") as (other, other_log):
             assert other.wait(120) == 3
-        assert "differ from data-parallel rank 0's: max_model_len 512 != 256" in other_log.read_text()
+        assert "differ from data-parallel rank 0's: max_model_len 4096 != 256" in other_log.read_text()
         node0_log = log.read_text()
         assert "tried to connect with keys this API server does not accept" in node0_log
-        assert "refused the engine core of data-parallel rank 1" in node0_log and "max_model_len 512 != 256" in node0_log
+        assert "refused the engine core of data-parallel rank 1" in node0_log and "max_model_len 4096 != 256" in node0_log
         with headless(root, rpc):
             from helpers.server import Server
 
