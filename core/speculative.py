@@ -101,6 +101,8 @@ class ProposerContext:
     vocab_size: int
     num_speculative_tokens: int
     model_dir: str
+    device: str = "cpu"  # the engine's ("cpu", "cuda", "cuda:0"): where a proposer with a model of its own runs it
+    tensor_parallel_size: int = 1
 
 
 @runtime_checkable

@@ -1,9 +1,11 @@
-"""Bundled speculative-decoding proposers: ``ngram`` (prompt lookup, ``paged.plugins.ngram``) and
-``suffix`` (suffix decoding, ``paged.plugins.suffix``)."""
+"""Bundled speculative-decoding proposers: ``ngram`` (prompt lookup, ``paged.plugins.ngram``),
+``suffix`` (suffix decoding, ``paged.plugins.suffix``) and ``draft_model`` (a smaller model with its
+own KV cache, ``paged.plugins.draft_model``)."""
 
 from __future__ import annotations
 
 from paged.core.hookspecs import SpeculativeProposerSpec, hookimpl
+from paged.plugins.draft_model import DraftModelOptions, DraftModelProposer
 from paged.plugins.ngram import NgramOptions, NgramProposer
 from paged.plugins.suffix import SuffixOptions, SuffixProposer
 
@@ -24,5 +26,12 @@ def register_speculative_proposers():
             options=SuffixOptions,
             description="suffix decoding: what followed the longest earlier match of the request's end, in its own "
             "tokens or recent outputs, up to max_spec_factor x its length",
+        ),
+        SpeculativeProposerSpec(
+            name="draft_model",
+            factory=DraftModelProposer,
+            options=DraftModelOptions,
+            description="a smaller model of the same vocabulary drafts greedily, with its own paged KV cache "
+            "(\"model\": its path)",
         ),
     ]

@@ -164,7 +164,8 @@ class EngineCore:
 
         settings = config.speculative
         context = ProposerContext(self.model_config.vocab_size, settings.num_speculative_tokens,
-                                  str(self.model_config.model_dir))
+                                  str(self.model_config.model_dir), str(self.device),
+                                  config.parallel.tensor_parallel_size)
         proposer = spec.factory(options, context)
         code = plugin_code("speculative proposer", spec.name, registry.owner.get(("speculative_proposers", spec.name)),
                            spec.factory, proposer)
@@ -332,8 +333,8 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(scheduler_output, result.sampled_token_ids, result.logprobs,
                                                     result.spec_outputs, result.prompt_logprobs, result.pooled)
         if self.speculator is not None:
-            if scheduler_output.finished_request_ids:
-                self.speculator.forget(scheduler_output.finished_request_ids)
+            self.speculator.forget_finished(scheduler_output.finished_request_ids,
+                                            [o.request_id for o in outputs if o.finish_reason is not None])
             try:
                 self.speculator.propose(self.scheduler.running)
             except EngineError as e:

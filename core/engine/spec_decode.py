@@ -91,6 +91,7 @@ class Speculator:
                  max_model_len: int, disable_by_batch_size: int | None = None,
                  min_acceptance_rate: float = 0.0) -> None:
         self.proposer = proposer
+        self._forgotten: set[str] = set()  # ended in a step and forgotten then; in the next step's finished ids too
         self.code = code
         self.method = method
         self.num_speculative_tokens = num_speculative_tokens
@@ -158,6 +159,16 @@ class Speculator:
         forget = getattr(self.proposer, "forget", None)
         if forget is not None:
             forget(request_ids)
+
+    def forget_finished(self, since_last_step: list[str], in_this_step: list[str]) -> None:
+        """After a step: the proposer forgets the requests that ended in it at once (a draft
+        model's KV blocks go now, not when the next step comes, which an idle engine never runs),
+        and those that ended since the last step otherwise (aborts); each request once."""
+        late = [r for r in since_last_step if r not in self._forgotten] if self._forgotten else since_last_step
+        self._forgotten.difference_update(since_last_step)
+        if late or in_this_step:
+            self.forget(late + in_this_step)
+        self._forgotten.update(in_this_step)
 
 
 class DraftRow:

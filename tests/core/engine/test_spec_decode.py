@@ -164,6 +164,27 @@ def test_suffix_gives_the_plain_greedy_tokens_and_drafts_from_earlier_outputs(pl
     assert accepted_first > 0 and accepted_second > 1.5 * accepted_first
 
 
+def test_the_model_as_its_own_draft_accepts_every_greedy_token(plain_outputs, default_model_dir, tmp_path):
+    """``draft_model`` with the target itself as the draft (float32, its own 4-token KV blocks):
+    every draft is the target's greedy token, so every one is accepted and the tokens are plain
+    decoding's; the draft's cache is empty again once the requests end. A draft model of another
+    vocabulary is refused before anything runs."""
+    from helpers.tiny_llama import TINY, save_tiny_llama
+
+    draft = {"method": "draft_model", "model": default_model_dir, "dtype": "float32", "block_size": 4,
+             "num_speculative_tokens": 4, "disable_by_batch_size": None}
+    with LLM(speculative_config=draft, **SMALL) as llm:
+        outputs = [o.outputs[0].token_ids for o in _greedy(llm, _prompts(4))]
+        stats = llm.engine.core.speculator.stats
+        proposer = llm.engine.core.speculator.proposer
+        assert not proposer.requests and proposer.kv.num_free_blocks == proposer.kv.num_blocks
+    assert outputs == [o.token_ids for o in plain_outputs["greedy"][:4]]
+    assert stats.num_draft_tokens > 50 and stats.num_accepted_tokens == stats.num_draft_tokens
+    save_tiny_llama(tmp_path / "other-vocab", default_model_dir, **{**TINY, "vocab_size": 1000})
+    with pytest.raises(ConfigError, match="the draft model .* has a vocabulary of 1000 tokens, the target 49152"):
+        LLM(speculative_config={**draft, "model": str(tmp_path / "other-vocab")}, **SMALL)
+
+
 class _ScriptedProposer:
     """Drafts from a script: the true greedy continuation with some tokens replaced by wrong
     ones (so that every acceptance length occurs), or garbage."""
