@@ -9,8 +9,10 @@ flooding the server then only delays itself: the others keep their share.
 
 Tenants are the requests' ``tenant`` (the OpenAI ``user`` field); requests without one share the
 tenant ``""``. ``tenant_weights`` gives a tenant a larger share (service is divided by its weight).
-The counters are updated from each step's ``on_step`` stats; the key is dynamic (it reads them).
-The waiting queue is grouped by tenant (``waiting_group``): a step re-keys one request per tenant.
+The counters are updated from each step's ``on_step`` stats; the key is dynamic (it reads them)
+for waiting requests, while a running one keeps the key it was admitted with (unless
+``preemptive``), so the running order is stable and its head always progresses. The waiting
+queue is grouped by tenant (``waiting_group``): a step re-keys one request per tenant.
 """
 
 from __future__ import annotations
@@ -73,6 +75,12 @@ class FairPolicy(BasePolicy):
         return Admission.ACCEPT
 
     def sort_key(self, request: RequestView, now: float) -> tuple:
+        if request.is_running and request.sort_key and not self.options.preemptive:
+            # A running request keeps the key it was admitted with (fairness is decided at
+            # admission, as in VTC). Re-sorted by the moving counters, two tenants' requests that
+            # did not both fit the KV cache preempted each other in turn, each losing its computed
+            # tokens, and none ever finished: a livelock the KV-cache state machine found.
+            return request.sort_key
         return (self.counters.get(self.tenant_of(request), 0.0), request.arrival_time)
 
     def waiting_group(self, request: RequestView) -> tuple[str, tuple]:

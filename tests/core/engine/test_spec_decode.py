@@ -164,25 +164,31 @@ def test_suffix_gives_the_plain_greedy_tokens_and_drafts_from_earlier_outputs(pl
     assert accepted_first > 0 and accepted_second > 1.5 * accepted_first
 
 
-def test_the_model_as_its_own_draft_accepts_every_greedy_token(plain_outputs, default_model_dir, tmp_path):
-    """``draft_model`` with the target itself as the draft (float32, its own 4-token KV blocks):
-    every draft is the target's greedy token, so every one is accepted and the tokens are plain
-    decoding's; the draft's cache is empty again once the requests end. A draft model of another
-    vocabulary is refused before anything runs."""
+def test_the_model_as_its_own_draft_accepts_every_greedy_token(default_model_dir, tmp_path):
+    """``draft_model`` with the target itself as the draft (a tiny random Llama in float32, its
+    own 4-token KV blocks): every draft is the target's greedy token, so every one is accepted and
+    the tokens are plain decoding's; the draft's cache is empty again once the requests end. A
+    draft model of another vocabulary is refused before anything runs."""
     from helpers.tiny_llama import TINY, save_tiny_llama
 
-    draft = {"method": "draft_model", "model": default_model_dir, "dtype": "float32", "block_size": 4,
+    target = tmp_path / "tiny"
+    save_tiny_llama(target, default_model_dir, **{**TINY, "max_position_embeddings": 256})
+    settings = dict(model=str(target), quantization="none", **SMALL)
+    prompts = [p[:40] for p in _prompts(6)]
+    with LLM(**settings) as llm:
+        plain = [o.outputs[0].token_ids for o in _greedy(llm, prompts)]
+    draft = {"method": "draft_model", "model": str(target), "dtype": "float32", "block_size": 4,
              "num_speculative_tokens": 4, "disable_by_batch_size": None}
-    with LLM(speculative_config=draft, **SMALL) as llm:
-        outputs = [o.outputs[0].token_ids for o in _greedy(llm, _prompts(4))]
+    with LLM(speculative_config=draft, **settings) as llm:
+        outputs = [o.outputs[0].token_ids for o in _greedy(llm, prompts)]
         stats = llm.engine.core.speculator.stats
         proposer = llm.engine.core.speculator.proposer
         assert not proposer.requests and proposer.kv.num_free_blocks == proposer.kv.num_blocks
-    assert outputs == [o.token_ids for o in plain_outputs["greedy"][:4]]
-    assert stats.num_draft_tokens > 50 and stats.num_accepted_tokens == stats.num_draft_tokens
+    assert outputs == plain
+    assert stats.num_draft_tokens > 100 and stats.num_accepted_tokens == stats.num_draft_tokens
     save_tiny_llama(tmp_path / "other-vocab", default_model_dir, **{**TINY, "vocab_size": 1000})
     with pytest.raises(ConfigError, match="the draft model .* has a vocabulary of 1000 tokens, the target 49152"):
-        LLM(speculative_config={**draft, "model": str(tmp_path / "other-vocab")}, **SMALL)
+        LLM(speculative_config={**draft, "model": str(tmp_path / "other-vocab")}, **settings)
 
 
 class _ScriptedProposer:
