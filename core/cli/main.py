@@ -26,7 +26,7 @@ from paged.core.cli.flags import (
 )
 from paged.core.cli.show_config import cmd_config
 from paged.core.config import EngineConfig
-from paged.core.errors import ConfigError, PagedError
+from paged.core.errors import PagedError
 from paged.core.loading import startup_times
 
 
