@@ -57,30 +57,43 @@ def validate(params: StructuredOutputParams, options: LLGuidanceOptions | None =
 
 
 class LLGuidanceMatcher(GrammarMatcher):
-    def __init__(self, matcher) -> None:
+    def __init__(self, matcher, stop_token_ids=()) -> None:
         from llguidance.torch import fill_next_token_bitmask
 
         self._m = matcher
         self._fill = fill_next_token_bitmask
-        self._ended = False  # a stop token was accepted after the grammar stopped
+        self._stops = frozenset(stop_token_ids)
+        self._ended = False  # a stop token was accepted: the grammar constrains nothing more
+        # ... after the grammar had stopped: llguidance took it without counting it, so a
+        # rollback must not count it either
+        self._uncounted_stop = False
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._fill(self._m, bitmask, row)
 
     def accept_token(self, token_id: int) -> bool:
         if self._m.is_stopped():  # the grammar is complete: only a stop token is left
-            self._ended = self._m.consume_token(token_id)
-            return self._ended
+            if self._m.consume_token(token_id):
+                self._ended = self._uncounted_stop = True
+                return True
+            return False
         # consume_token leaves the matcher in its error state on a refused token: check first.
-        return self._m.validate_tokens([token_id]) == 1 and self._m.consume_token(token_id)
+        if self._m.validate_tokens([token_id]) == 1 and self._m.consume_token(token_id):
+            self._ended = token_id in self._stops
+            return True
+        return False
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens > 0 and self._ended:
             self._ended = False
-        self._m.rollback(num_tokens)
+            if self._uncounted_stop:
+                self._uncounted_stop = False
+                num_tokens -= 1
+        if num_tokens > 0:
+            self._m.rollback(num_tokens)
 
     def reset(self) -> None:
-        self._ended = False
+        self._ended = self._uncounted_stop = False
         self._m.reset()
 
     def is_terminated(self) -> bool:
@@ -94,6 +107,7 @@ class LLGuidanceBackend(StructuredOutputBackend):
 
         self._LLMatcher = LLMatcher
         self.options = options or LLGuidanceOptions()
+        self._stop_token_ids = tuple(eos_token_ids)
         self.tokenizer = from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None)
 
     def compile(self, params: StructuredOutputParams) -> Any:
@@ -131,4 +145,4 @@ class LLGuidanceBackend(StructuredOutputBackend):
         m = self._LLMatcher(self.tokenizer, compiled, log_level=0)
         if m.is_error():
             raise ValueError(f"structured_output: llguidance cannot use it: {m.get_error().splitlines()[0][:500]}")
-        return LLGuidanceMatcher(m)
+        return LLGuidanceMatcher(m, self._stop_token_ids)

@@ -129,6 +129,8 @@ class EngineCore:
             self.runner.sampler.grammar_code = self.plugin_code[-1]
         self.speculator = self._speculator(config, registry, *speculative) if speculative else None
         self.scheduler.speculator = self.speculator
+        if self.speculator is not None:
+            self.speculator.grammar_code = self.plugin_code[-1]
         self.lora = self.runner.lora  # the LoRA adapters (paged.core.engine.lora_manager), or None
         if self.lora is not None:
             self.scheduler.max_loras = config.lora.max_loras

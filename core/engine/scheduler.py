@@ -567,7 +567,8 @@ class Scheduler:
                          now: float) -> EngineCoreOutput:
         """Roll ``num_computed_tokens`` back past the rejected drafts (their slots are rewritten
         before anything reads them; they were never hashed), then append the accepted tokens
-        one at a time, each checked for a stop as a token of a plain step is."""
+        one at a time, each advancing the grammar and checked for a stop as a token of a plain
+        step is."""
         request = scheduled.request
         num_drafts = len(scheduled.spec_token_ids)
         num_accepted = len(tokens) - 1
@@ -579,6 +580,9 @@ class Scheduler:
         appended = 0
         status = None
         for token in tokens:
+            if request.error or request.grammar is not None and not self._grammar_accepts(request, token):
+                status = RequestStatus.FINISHED_ERROR  # as in a plain step: the token is not appended
+                break
             request.append_output_token(token)
             appended += 1
             status = request.check_stop(self.max_model_len)
@@ -588,7 +592,11 @@ class Scheduler:
             self.running.remove(request)
             request.status = status
             self._free(request)
+        if not appended:  # its grammar failed at the first token
+            return EngineCoreOutput.ended(request)
         out = EngineCoreOutput.of(request, None)
+        if request.error:
+            out.error = request.error
         if appended > 1:
             out.new_token_ids = request.output_token_ids[-appended:]
         if logprobs is not None:

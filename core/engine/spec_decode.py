@@ -6,14 +6,16 @@ This module holds the engine's side, in the order of a step:
 1. ``Speculator.propose(running)`` (the engine core, after each step): the requests that decode
    next get ``request.spec_token_ids``, at most ``num_speculative_tokens``, and never more than
    the request may still output (``max_tokens``, ``max_model_len``) minus the one token every
-   step produces anyway.
+   step produces anyway. A constrained request's drafts are cut before the first token its
+   grammar refuses (each is tried on the matcher, which is rolled back after).
 2. The scheduler schedules ``1 + len(drafts)`` tokens (``ScheduledRequest.spec_token_ids``); the
    runner feeds ``[last token] + drafts`` and samples every row with ``draft_rows``: row j sees
-   the request as if drafts 0..j-1 were already its output.
+   the request as if drafts 0..j-1 were already its output, its grammar included (the row's
+   mask is the matcher's after those drafts).
 3. ``accepted_tokens(drafts, sampled)``: the sampled tokens up to and including the first that
    differs from its draft (all of them when every draft matched: the last is the bonus token).
-   The scheduler appends them one at a time (stop conditions apply after each) and rolls
-   ``num_computed_tokens`` back by the number of rejected drafts.
+   The scheduler appends them one at a time (each advances the grammar; stop conditions apply
+   after each) and rolls ``num_computed_tokens`` back by the number of rejected drafts.
 
 Why this is exact (the output distribution is the model's own): a draft is a deterministic
 guess, a point mass q at token d. Rejection sampling accepts d with probability min(1, p(d)/q(d))
@@ -102,6 +104,8 @@ class Speculator:
         self.stats = SpecDecodeStats()
         self.num_steps = 0
         self._warned_bad_draft = False
+        self.grammar_code: PluginCode | None = None  # the structured-output backend, to name it in failures
+        self.speculate_constrained = True  # off once a grammar backend failed to check or roll back drafts
 
     def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """One verification of ``request`` (the scheduler calls it): the global counters, and the
@@ -121,8 +125,10 @@ class Speculator:
         asked: list[Request] = []
         limits: list[int] = []
         for request in running:
-            if request.grammar is not None or request.num_computed_tokens != request.num_tokens - 1:
-                continue  # constrained, or still in prefill
+            if request.num_computed_tokens != request.num_tokens - 1:
+                continue  # still in prefill
+            if request.grammar is not None and not self.speculate_constrained:
+                continue
             if request.spec_paused_until > self.num_steps:
                 continue  # its drafts were rejected too often lately
             limit = min(k, request.max_tokens - request.num_output_tokens - 1,
@@ -153,7 +159,35 @@ class Speculator:
                                    "dropped", self.code.label, draft, request.request_id, vocab)
                     self._warned_bad_draft = True
                 continue
+            if request.grammar is not None:
+                draft = self._grammar_prefix(request, draft)
             request.spec_token_ids = draft
+
+    def _grammar_prefix(self, request: Request, draft: list[int]) -> list[int]:
+        """The drafts before the first one ``request``'s grammar refuses (after a stop token
+        ends the grammar it constrains nothing, as in ``Scheduler._grammar_accepts``); the
+        matcher is rolled back to where it was. A backend that fails here ends the request with
+        the error, and constrained requests speculate no more."""
+        grammar = request.grammar
+        accepted = 0  # tokens the matcher took (and gives back)
+        keep = len(draft)
+        try:
+            for n, token in enumerate(draft):
+                if grammar.is_terminated():
+                    break
+                if not grammar.accept_token(token):
+                    keep = n
+                    break
+                accepted += 1
+            if accepted:
+                grammar.rollback(accepted)
+        except Exception as e:
+            request.error = describe(e, [self.grammar_code], self.grammar_code, "checking drafts (accept_token, "
+                                     "rollback)")
+            log_fault(request.error, e, request_id=request.request_id)
+            self.speculate_constrained = False
+            return []
+        return draft[:keep]
 
     def forget(self, request_ids: Iterable[str]) -> None:
         forget = getattr(self.proposer, "forget", None)
@@ -171,20 +205,74 @@ class Speculator:
         self._forgotten.update(in_this_step)
 
 
+class GrammarAfterDrafts:
+    """A request's matcher as row j of its verification sees it: after drafts 0..j-1. Each call
+    accepts them, asks, and rolls them back (the drafts were checked against this grammar
+    when they were proposed), so the matcher itself never moves here."""
+
+    __slots__ = ("matcher", "drafts")
+
+    def __init__(self, matcher, drafts: list[int]) -> None:
+        self.matcher = matcher
+        self.drafts = drafts
+
+    def _advance(self) -> int:
+        """Accept the drafts (those up to the end of the grammar); how many were accepted."""
+        matcher = self.matcher
+        for n, token in enumerate(self.drafts):
+            if matcher.is_terminated():  # past a stop token the grammar takes no more tokens
+                return n
+            if not matcher.accept_token(token):
+                if n:
+                    matcher.rollback(n)
+                raise RuntimeError(f"the grammar refused draft token {token}, which it accepted when it was "
+                                   "proposed")
+        return len(self.drafts)
+
+    def _back(self, num_accepted: int) -> None:
+        if num_accepted:
+            self.matcher.rollback(num_accepted)
+
+    def fill_bitmask(self, bitmask, row: int) -> None:
+        num_accepted = self._advance()
+        try:
+            self.matcher.fill_bitmask(bitmask, row)
+        finally:
+            self._back(num_accepted)
+
+    def is_terminated(self) -> bool:
+        # The sampler asks before it masks: a failure here is left to fill_bitmask to raise,
+        # where the sampler names the backend and ends the request.
+        try:
+            num_accepted = self._advance()
+        except Exception:
+            return False
+        try:
+            return self.matcher.is_terminated()
+        finally:
+            self._back(num_accepted)
+
+
 class DraftRow:
     """The request as row j of its verification sees it: drafts 0..j-1 already output. It has
     what the sampler reads of a request (``paged.core.engine.sampler``)."""
 
-    __slots__ = ("request", "drafts", "_output", "_all")
-
-    grammar = None  # speculation skips constrained requests
-    error = ""
+    __slots__ = ("request", "drafts", "grammar", "_output", "_all")
 
     def __init__(self, request: Request, drafts: list[int]) -> None:
         self.request = request
         self.drafts = drafts
+        self.grammar = None if request.grammar is None else GrammarAfterDrafts(request.grammar, drafts)
         self._output: list[int] | None = None
         self._all: list[int] | None = None
+
+    @property
+    def error(self) -> str:
+        return self.request.error
+
+    @error.setter
+    def error(self, message: str) -> None:  # the sampler's: a grammar that failed at this row ends the request
+        self.request.error = message
 
     @property
     def request_id(self) -> str:

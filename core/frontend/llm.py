@@ -37,6 +37,8 @@ def settings_to_overrides(settings: dict[str, Any]) -> dict[str, Any]:
     for key, value in settings.items():
         if key == "speculative_config":  # vLLM's name for the section
             key = "speculative"
+            if value is None:  # vLLM's default: no speculation (whatever a config file says)
+                value = {"method": None}
         if key in sections and isinstance(value, dict):
             out.setdefault(key, {}).update(value)
         elif key in by_name:

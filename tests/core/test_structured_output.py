@@ -95,6 +95,9 @@ def test_matcher_accepts_valid_json_refuses_invalid_and_rolls_back(backends, tok
         assert t in masks[-1]
         assert matcher.accept_token(t)
     assert allowed_tokens(matcher) == {tokenizer.eos_token_id}  # complete: only EOS is left
+    assert matcher.accept_token(tokenizer.eos_token_id) and matcher.is_terminated()
+    matcher.rollback(1)  # EOS taken back (speculation does this): complete again, not ended
+    assert not matcher.is_terminated() and allowed_tokens(matcher) == {tokenizer.eos_token_id}
     matcher.rollback(3)
     assert allowed_tokens(matcher) == masks[-3]
     wrong = tokenizer('"z"', add_special_tokens=False)["input_ids"][0]

@@ -266,6 +266,98 @@ def test_random_accept_and_reject_with_preemption_prefix_caching_and_n(scripted,
     assert stats.num_accepted_tokens < stats.num_draft_tokens
 
 
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer"}, "city": {"enum": ["London", "Paris"]}},
+          "required": ["name", "age", "city"]}
+CONSTRAINED = [
+    ('{"name": "Ada", "age": 36, "city": "London"}\nRewrite the JSON above with the same keys: ', {"json_schema": SCHEMA}),
+    ("Copy this list exactly: apple, banana, cherry, apple, banana, cherry. Now:", {"regex": r"( ?(apple|banana|cherry),){3,6}"}),
+    ("The cat sat on the mat. The cat sat on the mat. Where did the cat sit?", {"choice": ["on the mat", "on the sofa"]}),
+    ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n", {"regex": r"    return [a-z] [-+*] [a-z]\n"}),
+]
+
+
+def test_constrained_requests_speculate_on_drafts_their_grammar_allows(scripted, plain_llm):
+    """Structured outputs under speculation: drafts are cut at the first token the grammar
+    refuses (the scripted drafts hold random tokens a grammar refuses), each verification row is
+    masked by the grammar after the drafts before it, and the accepted tokens advance it. Greedy:
+    plain decoding's constrained tokens, beside an unconstrained request; a sampled constrained
+    request gives a valid output; every block is free at the end."""
+    import json
+    import re
+
+    import jsonschema
+
+    prompts = [p for p, _ in CONSTRAINED] + [FREE[0]]
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_output=c) for _, c in CONSTRAINED]
+    params.append(SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    expected = [o.outputs[0] for o in plain_llm.generate(prompts, params, use_tqdm=False)]
+    tokenizer = plain_llm.tokenizer
+    scripted.script = {tuple(tokenizer(p)["input_ids"]): o.token_ids for p, o in zip(prompts, expected)}
+    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=40, structured_output={"json_schema": SCHEMA})
+    spec = {"method": "scripted", "num_speculative_tokens": 6, "disable_by_batch_size": None}
+    with LLM(speculative_config=spec, **SMALL) as llm:
+        outputs = [o.outputs[0] for o in llm.generate(prompts + [prompts[0]], params + [sampled], use_tqdm=False)]
+        stats = llm.engine.core.speculator.stats
+        kv = llm.engine.kv_cache_manager
+        assert kv.num_free_blocks == kv.num_blocks and not kv.block_tables
+    for got, want in zip(outputs, expected):
+        assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason)
+    assert [o.finish_reason for o in outputs[:4]] == ["stop"] * 4
+    jsonschema.validate(json.loads(outputs[0].text), SCHEMA)
+    jsonschema.validate(json.loads(outputs[-1].text), SCHEMA)
+    assert re.fullmatch(r"( ?(apple|banana|cherry),){3,6}", outputs[1].text)
+    assert outputs[2].text in ("on the mat", "on the sofa")
+    assert stats.num_accepted_tokens > 30 and stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_drafts_are_cut_where_the_grammar_refuses_and_the_matcher_is_left_where_it_was(plain_llm, backend):
+    """On each backend's matcher: a draft is kept up to the first refused token, the matcher
+    takes no step, and ``GrammarAfterDrafts`` masks as the matcher does after those drafts."""
+    import torch
+
+    from paged.backends.llguidance_backend import LLGuidanceBackend
+    from paged.backends.xgrammar_backend import XGrammarBackend
+    from paged.core.engine.plugin_faults import PluginCode
+    from paged.core.engine.request import Request
+    from paged.core.engine.spec_decode import GrammarAfterDrafts, Speculator
+    from paged.core.structured_output import StructuredOutputParams
+
+    tokenizer = plain_llm.tokenizer
+    eos = tokenizer.eos_token_id
+    factory = XGrammarBackend if backend == "xgrammar" else LLGuidanceBackend
+    grammar_backend = factory(tokenizer, 49152, [eos], None)
+    compiled = grammar_backend.compile(StructuredOutputParams(regex="(ab)+c"))
+
+    def ids(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def mask(matcher):
+        bitmask = torch.zeros(1, 49152 // 32, dtype=torch.int32)
+        matcher.fill_bitmask(bitmask, 0)
+        return bitmask
+
+    good, bad = ids("a") + ids("b") + ids("a"), ids("x")
+    request = Request("r", [1, 2], SamplingParams(max_tokens=20))
+    request.grammar = grammar_backend.matcher(compiled)
+    start = mask(request.grammar)
+    speculator = Speculator(None, PluginCode("speculative proposer", "t", None, frozenset()), "t", 8, 49152, 512)
+    assert speculator._grammar_prefix(request, good + bad + good) == good
+    assert torch.equal(mask(request.grammar), start)
+    after = grammar_backend.matcher(compiled)
+    for token in good:
+        assert after.accept_token(token)
+    view = GrammarAfterDrafts(request.grammar, good)
+    bitmask = torch.zeros(2, 49152 // 32, dtype=torch.int32)
+    view.fill_bitmask(bitmask, 1)
+    assert torch.equal(bitmask[1:], mask(after)) and not torch.equal(bitmask[1:], start)
+    assert torch.equal(mask(request.grammar), start) and not view.is_terminated()
+    ended = good + ids("b") + ids("c") + [eos]
+    assert speculator._grammar_prefix(request, ended + bad) == ended + bad  # past the end nothing is checked
+    assert GrammarAfterDrafts(request.grammar, ended).is_terminated() and torch.equal(mask(request.grammar), start)
+
+
 def test_the_config_as_vllm_takes_it_and_its_errors(tmp_path):
     from paged.core.cli.flags import add_engine_flags, engine_config_from_args
     import argparse
@@ -277,6 +369,13 @@ def test_the_config_as_vllm_takes_it_and_its_errors(tmp_path):
     config = engine_config_from_args(args)
     assert config.speculative.method == "ngram" and config.speculative.num_speculative_tokens == 3
     assert config.speculative.options == {"prompt_lookup_max": 5, "prompt_lookup_min": 1}
+    from paged.core.config import load_config
+    from paged.core.frontend.llm import settings_to_overrides
+
+    config_file = tmp_path / "paged.toml"
+    config_file.write_text('[speculative]\nmethod = "ngram"\n')
+    assert load_config(str(config_file), {}).speculative.method == "ngram"
+    assert load_config(str(config_file), settings_to_overrides({"speculative_config": None})).speculative.method is None
     with pytest.raises(ConfigError, match="--speculative-config: not JSON"):
         engine_config_from_args(parser.parse_args(["--speculative-config", "{method: ngram}"]))
     with pytest.raises(ConfigError, match="num_speculative_tokens"):
