@@ -114,4 +114,4 @@ def run_replay(requests: Sequence[LabRequest], executor, *, cost: CostModel | No
             raise PagedError("lab: the scheduler scheduled nothing for 1000 steps in a row with requests left")
     stats = executor.prefix_stats
     return ReplayResult(label or policy, policy, dict(options or {}), mode, steps, list(records.values()),
-                        digest.hexdigest(), stats.hit_rate, perf() - wall_t0)
+                        digest.hexdigest(), stats.hit_rate, perf() - wall_t0, spec_decode=executor.spec_decode)

@@ -11,6 +11,7 @@ from paged.core.errors import ConfigError, PagedError
 from paged.core.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from paged.core.engine.request import Request
 from paged.core.engine.scheduler import Scheduler
+from paged.core.engine.spec_decode import SpecDecodeStats
 from paged.core.frontend.outputs import RequestOutputKind
 from paged.core.lab.cost import CostModel
 from paged.core.lab.records import LabRequest
@@ -100,6 +101,8 @@ class SimExecutor:
     def prefix_stats(self) -> PrefixCacheStats:
         return self.kv.prefix_cache_stats
 
+    spec_decode = None  # the simulator does not speculate
+
 
 class EngineExecutor:
     """The real engine (``LLMEngine``): the model runs; each step's scheduler output is observed."""
@@ -128,6 +131,9 @@ class EngineExecutor:
             engine.step()
         self.kv.reset_prefix_cache()
         self.kv.prefix_cache_stats = PrefixCacheStats()
+        speculator = engine.core.speculator
+        if speculator is not None:
+            speculator.stats = SpecDecodeStats()
 
     def add(self, request: LabRequest) -> Request:
         self.engine.add_request(request.id, request.prompt_token_ids, request.sampling_params(),
@@ -156,6 +162,13 @@ class EngineExecutor:
     @property
     def prefix_stats(self) -> PrefixCacheStats:
         return self.kv.prefix_cache_stats
+
+    @property
+    def spec_decode(self) -> dict[str, Any] | None:
+        """The speculator's counters since the warm-up (``SpecDecodeStats.to_dict``), or None
+        when the engine does not speculate."""
+        speculator = self.engine.core.speculator
+        return None if speculator is None else {"method": speculator.method, **speculator.stats.to_dict()}
 
 
 TOKEN_WARMUP = 200

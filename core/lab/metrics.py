@@ -16,6 +16,8 @@ side-by-side text table of several replays.
   ``(sum x)^2 / (n sum x^2)`` with ``x`` = tokens served to a tenant up to the last arrival (while
   every tenant could still ask for more) / its max-min fair share of those tokens given what it
   asked for (water-filling). 1 = every tenant got its fair share; 1/n = one tenant got everything.
+- speculative decoding (a replay on the engine with ``--speculative-config``): the share of draft
+  tokens accepted and the tokens a verified request advanced per step, over the whole replay.
 """
 
 from __future__ import annotations
@@ -134,6 +136,7 @@ def summarize(result: ReplayResult, slo_ttft: float | None = None, slo_tpot: flo
         "preemptions": result.num_preemptions,
         "engine_prefix_hit_rate": result.engine_prefix_hit_rate,
         "peak_kv_usage": max((s.kv_usage for s in result.steps), default=0.0),
+        "spec_decode": result.spec_decode,
         "all": summarize_requests(result.requests, span, slo_ttft, slo_tpot),
         "classes": {
             str(c): summarize_requests([r for r in result.requests if r.priority == c], span, slo_ttft, slo_tpot)
@@ -222,6 +225,10 @@ def table_rows(summaries: Sequence[dict[str, Any]]) -> tuple[list[str], list[lis
     rows.append(["steps"] + [str(s["steps"]) for s in summaries])
     rows.append(["span"] + [fmt(s["span_s"], "s") for s in summaries])
     rows.append(["peak KV usage"] + [fmt(s["peak_kv_usage"], "%") for s in summaries])
+    specs = [s.get("spec_decode") for s in summaries]
+    if any(specs):
+        rows.append(["drafts accepted"] + [fmt(x and x["acceptance_rate"], "%") for x in specs])
+        rows.append(["tokens per verified step"] + [fmt(x and x["mean_accepted_length"], "f") for x in specs])
     return header, rows
 
 

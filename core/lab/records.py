@@ -152,6 +152,8 @@ class ReplayResult:
     engine_prefix_hit_rate: float  # the KV manager's own counter (re-admissions included)
     elapsed_s: float  # real seconds the replay took
     settings: dict[str, Any] = field(default_factory=dict)
+    # the speculator's counters (SpecDecodeStats.to_dict plus "method"); None: no speculation
+    spec_decode: dict[str, Any] | None = None
 
     @property
     def num_preemptions(self) -> int:
@@ -162,6 +164,7 @@ class ReplayResult:
             "label": self.label, "policy": self.policy, "options": self.options, "mode": self.mode,
             "schedule_digest": self.schedule_digest, "engine_prefix_hit_rate": self.engine_prefix_hit_rate,
             "elapsed_s": self.elapsed_s, "settings": self.settings, "num_steps": len(self.steps),
+            "spec_decode": self.spec_decode,
             "requests": [{**asdict(r), "ttft": r.ttft, "tpot": r.tpot, "e2e": r.e2e} for r in self.requests],
         }
         if include_steps:

@@ -242,6 +242,32 @@ def test_real_replay_with_the_step_clock_is_reproducible_and_matches_the_simulat
     assert first[0].schedule_digest != first[1].schedule_digest
 
 
+def test_a_replay_with_speculation_reports_its_acceptance(tiny_model):
+    """On the engine with ``ngram`` (every batch size), a trace of repetitive prompts: the replay
+    carries the speculator's counters since the warm-up, they add up (accepted <= drafted, each
+    verified step advanced 1 + accepted / verified tokens), every request gets its tokens in
+    fewer steps than without speculation, and the table has the two rows; a replay without
+    speculation has neither."""
+    trace = Trace([TraceRequest(0.01 * i, id=f"r{i}", prompt_token_ids=[5, 6, 7, 8] * 6 + [9 + i], output_len=24,
+                                sampling={"temperature": 0.0}) for i in range(4)], {"source": "test"})
+    spec = {"speculative": {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None}}
+    config = tiny_config(tiny_model)
+    config_spec = load_config(overrides={**spec, "model": {"model": tiny_model, "max_model_len": 512},
+                                         "cache": {"num_blocks": 64}, "device": "cpu"})
+    (plain,) = replay_trace(trace, [PolicyRun("fcfs")], config, mode="steps", step_time=0.01)
+    (result,) = replay_trace(trace, [PolicyRun("fcfs")], config_spec, mode="steps", step_time=0.01)
+    stats = result.spec_decode
+    assert plain.spec_decode is None and stats["method"] == "ngram"
+    assert 0 < stats["num_accepted_tokens"] <= stats["num_draft_tokens"] <= 3 * stats["num_drafts"]
+    assert stats["mean_accepted_length"] == pytest.approx(1 + stats["num_accepted_tokens"] / stats["num_drafts"],
+                                                          abs=1e-3)
+    assert all(r.num_generated == 24 and r.finished is not None for r in result.requests)
+    assert len(result.steps) < len(plain.steps)
+    table = format_table([summarize(plain), summarize(result)])
+    assert "drafts accepted" in table and "tokens per verified step" in table
+    assert "drafts accepted" not in format_table([summarize(plain)])
+
+
 def test_calibration_fits_and_validation_reports_errors(tiny_model):
     """Calibrate on the tiny model (CPU clock), then validate on a Poisson trace, real and simulated.
     How close the simulator comes is a measurement of this machine at this moment (per-step CPU times on
