@@ -73,6 +73,10 @@ class LLGuidanceMatcher(GrammarMatcher):
 
     def accept_token(self, token_id: int) -> bool:
         if self._m.is_stopped():  # the grammar is complete: only a stop token is left
+            # consume_token of any other token would put the matcher in its error state, which
+            # no rollback leaves (speculative drafts do run past a grammar's end)
+            if self._stops and token_id not in self._stops:
+                return False
             if self._m.consume_token(token_id):
                 self._ended = self._uncounted_stop = True
                 return True

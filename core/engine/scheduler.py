@@ -575,8 +575,6 @@ class Scheduler:
         request.num_computed_tokens -= num_drafts - num_accepted
         if self.speculator is not None:
             self.speculator.record(request, num_drafts, num_accepted)
-        if request.first_token_time is None:
-            request.first_token_time = now
         appended = 0
         status = None
         for token in tokens:
@@ -588,6 +586,8 @@ class Scheduler:
             status = request.check_stop(self.max_model_len)
             if status is not None:
                 break
+        if appended and request.first_token_time is None:
+            request.first_token_time = now
         if status is not None:
             self.running.remove(request)
             request.status = status

@@ -172,15 +172,17 @@ class Speculator:
         accepted = 0  # tokens the matcher took (and gives back)
         keep = len(draft)
         try:
-            for n, token in enumerate(draft):
-                if grammar.is_terminated():
-                    break
-                if not grammar.accept_token(token):
-                    keep = n
-                    break
-                accepted += 1
-            if accepted:
-                grammar.rollback(accepted)
+            try:
+                for n, token in enumerate(draft):
+                    if grammar.is_terminated():
+                        break
+                    if not grammar.accept_token(token):
+                        keep = n
+                        break
+                    accepted += 1
+            finally:
+                if accepted:
+                    grammar.rollback(accepted)
         except Exception as e:
             request.error = describe(e, [self.grammar_code], self.grammar_code, "checking drafts (accept_token, "
                                      "rollback)")
@@ -217,17 +219,22 @@ class GrammarAfterDrafts:
         self.drafts = drafts
 
     def _advance(self) -> int:
-        """Accept the drafts (those up to the end of the grammar); how many were accepted."""
+        """Accept the drafts (those up to the end of the grammar); how many were accepted. On a
+        refusal or a backend error the matcher is rolled back before the error goes up."""
         matcher = self.matcher
-        for n, token in enumerate(self.drafts):
-            if matcher.is_terminated():  # past a stop token the grammar takes no more tokens
-                return n
-            if not matcher.accept_token(token):
-                if n:
-                    matcher.rollback(n)
-                raise RuntimeError(f"the grammar refused draft token {token}, which it accepted when it was "
-                                   "proposed")
-        return len(self.drafts)
+        n = 0
+        try:
+            for token in self.drafts:
+                if matcher.is_terminated():  # past a stop token the grammar takes no more tokens
+                    return n
+                if not matcher.accept_token(token):
+                    raise RuntimeError(f"the grammar refused draft token {token}, which it accepted when it was "
+                                       "proposed")
+                n += 1
+        except BaseException:
+            self._back(n)
+            raise
+        return n
 
     def _back(self, num_accepted: int) -> None:
         if num_accepted:

@@ -208,6 +208,7 @@ class _ScriptedProposer:
         for r in requests:
             truth = self.script.get(tuple(r.token_ids[:r.num_prompt_tokens]), [])[r.num_output_tokens:]
             draft = list(truth[:num_tokens + 2])  # longer than asked: the engine cuts it
+            draft += [self.rng.randrange(self.vocab) for _ in range(num_tokens + 2 - len(draft))]  # past the end too
             for j in range(len(draft)):
                 if self.rng.random() < 0.25:
                     draft[j] = self.rng.randrange(self.vocab)
@@ -277,12 +278,14 @@ CONSTRAINED = [
 ]
 
 
-def test_constrained_requests_speculate_on_drafts_their_grammar_allows(scripted, plain_llm):
-    """Structured outputs under speculation: drafts are cut at the first token the grammar
-    refuses (the scripted drafts hold random tokens a grammar refuses), each verification row is
-    masked by the grammar after the drafts before it, and the accepted tokens advance it. Greedy:
-    plain decoding's constrained tokens, beside an unconstrained request; a sampled constrained
-    request gives a valid output; every block is free at the end."""
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_constrained_requests_speculate_on_drafts_their_grammar_allows(scripted, plain_llm, backend):
+    """Structured outputs under speculation, on each grammar backend: drafts are cut at the first
+    token the grammar refuses (the scripted drafts hold random tokens a grammar refuses, also
+    past the end of the output), each verification row is masked by the grammar after the drafts
+    before it, and the accepted tokens advance it. Greedy: plain decoding's constrained tokens,
+    beside an unconstrained request; a sampled constrained request gives a valid output; every
+    block is free at the end."""
     import json
     import re
 
@@ -291,12 +294,17 @@ def test_constrained_requests_speculate_on_drafts_their_grammar_allows(scripted,
     prompts = [p for p, _ in CONSTRAINED] + [FREE[0]]
     params = [SamplingParams(temperature=0, max_tokens=40, structured_output=c) for _, c in CONSTRAINED]
     params.append(SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-    expected = [o.outputs[0] for o in plain_llm.generate(prompts, params, use_tqdm=False)]
+    settings = {**SMALL, "structured_output": {"backend": backend}}
+    if backend == "xgrammar":  # the default: the module's plain engine
+        expected = [o.outputs[0] for o in plain_llm.generate(prompts, params, use_tqdm=False)]
+    else:
+        with LLM(**settings) as plain:
+            expected = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
     tokenizer = plain_llm.tokenizer
     scripted.script = {tuple(tokenizer(p)["input_ids"]): o.token_ids for p, o in zip(prompts, expected)}
     sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=40, structured_output={"json_schema": SCHEMA})
     spec = {"method": "scripted", "num_speculative_tokens": 6, "disable_by_batch_size": None}
-    with LLM(speculative_config=spec, **SMALL) as llm:
+    with LLM(speculative_config=spec, **settings) as llm:
         outputs = [o.outputs[0] for o in llm.generate(prompts + [prompts[0]], params + [sampled], use_tqdm=False)]
         stats = llm.engine.core.speculator.stats
         kv = llm.engine.kv_cache_manager
@@ -353,7 +361,10 @@ def test_drafts_are_cut_where_the_grammar_refuses_and_the_matcher_is_left_where_
     view.fill_bitmask(bitmask, 1)
     assert torch.equal(bitmask[1:], mask(after)) and not torch.equal(bitmask[1:], start)
     assert torch.equal(mask(request.grammar), start) and not view.is_terminated()
-    ended = good + ids("b") + ids("c") + [eos]
+    complete = good + ids("b") + ids("c")  # "ababc": only a stop token may follow
+    assert speculator._grammar_prefix(request, complete + bad + [eos]) == complete
+    assert torch.equal(mask(request.grammar), start)
+    ended = complete + [eos]
     assert speculator._grammar_prefix(request, ended + bad) == ended + bad  # past the end nothing is checked
     assert GrammarAfterDrafts(request.grammar, ended).is_terminated() and torch.equal(mask(request.grammar), start)
 

@@ -244,10 +244,10 @@ def test_real_replay_with_the_step_clock_is_reproducible_and_matches_the_simulat
 
 def test_a_replay_with_speculation_reports_its_acceptance(tiny_model):
     """On the engine with ``ngram`` (every batch size), a trace of repetitive prompts: the replay
-    carries the speculator's counters since the warm-up, they add up (accepted <= drafted, each
-    verified step advanced 1 + accepted / verified tokens), every request gets its tokens in
-    fewer steps than without speculation, and the table has the two rows; a replay without
-    speculation has neither."""
+    carries the speculator's counters, they add up (accepted <= drafted, each verified step
+    advanced 1 + accepted / verified tokens), the replay takes fewer steps than without
+    speculation with every request getting all its tokens, and the table has the two rows; a
+    replay without speculation has neither."""
     trace = Trace([TraceRequest(0.01 * i, id=f"r{i}", prompt_token_ids=[5, 6, 7, 8] * 6 + [9 + i], output_len=24,
                                 sampling={"temperature": 0.0}) for i in range(4)], {"source": "test"})
     spec = {"speculative": {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None}}
