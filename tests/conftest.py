@@ -54,13 +54,13 @@ SLOWEST_FIRST = [  # seconds a unit took on its worker (`pytest -v`, both worker
     "tests/e2e/test_engine_parity.py",  # 100 (its HF reference included)
     "tests/core/engine/test_tensor_parallel.py",  # 100
     "tests/models/test_qwen3_mistral_phi3.py",  # 85
+    "tests/core/engine/test_spec_decode.py",  # 85 (constrained requests on both grammar backends)
     "tests/e2e/test_moe_engine.py",  # 70
-    "tests/e2e/test_nodes.py",  # 55: two-node launches
+    "tests/e2e/test_nodes.py",  # 70: two-node launches
     "tests/e2e/test_readme.py::test_readme_bash_block_runs[paged-15]",  # 37, the lab block (ids count the blocks: renumber when one is added above it)
     "tests/e2e/test_readme.py",  # 65: the Python blocks and the inline commands
     "tests/core/server/test_server.py",  # 65
     "tests/core/engine/test_pooling.py",  # 65 (alone: 88 with another worker's suite running)
-    "tests/core/engine/test_spec_decode.py",  # 60
     "tests/core/server/test_server_dp.py",  # 60
     "tests/core/server/test_bad_input.py",  # 57
     "tests/core/server/test_structured.py",  # 45
