@@ -9,6 +9,10 @@ wrote the block. Each step "writes" the scheduled tokens of every scheduled requ
 table. A prefix-cache hit must give the request blocks whose whole context is its own (so a hit
 across different salts or different earlier tokens fails), and the product's block hashes are
 treated as opaque keys: one hash never stands for two contexts. Nothing here recomputes a hash.
+With ``SPECULATE``, decoding requests carry random draft tokens (as a proposer's), verified with
+a random number accepted: the lookahead slots are written, ``num_computed_tokens`` is rolled back
+past the rejected drafts, and a block is never cached with a draft in it (the invariants below
+would see a block hashed beyond what is computed, or a slot holding another token).
 With a sliding window (``WINDOW``: every layer of the model windowed), blocks out of it become
 placeholders: only blocks wholly before ``num_computed_tokens - WINDOW + 1`` may be, and the
 slots checked are those a later query can still read.
@@ -56,6 +60,7 @@ ALPHABET = st.integers(0, 2)  # small, so prompts share prefixes
 STEM_ALPHABET = st.integers(0, 5)  # stems differ from each other early
 EOS = 0
 MAX_DRAIN_STEPS = 2000
+MAX_DRAFTS = 3
 
 
 class KVCacheMachine(RuleBasedStateMachine):
@@ -65,6 +70,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     POLICY = "fcfs"
     CACHING = True
     WINDOW: int | None = None  # the KV manager's sliding window (None: a global layer)
+    SPECULATE = False  # decoding requests verify random drafts (at most MAX_DRAFTS a step)
 
     @initialize(
         block_size=st.integers(2, 4),
@@ -120,6 +126,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.num_preempted = 0
         self.num_hit_tokens = 0
         self.num_admitted = 0
+        self.num_accepted_drafts = 0
+        self.pending_drafts: dict[str, list[int]] = {}  # scheduled drafts, until update_from_output
         self.prompts: list[tuple[str | None, tuple[int, ...]]] = []  # (salt, prompt) of every add
         self._add(data)  # every example has work (initialize rules run in no fixed order)
 
@@ -211,9 +219,22 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.ended.discard(rid)
         assert request.status == RequestStatus.WAITING
 
-    def _schedule_and_write(self):
-        """One schedule(), checked, with the model's K/V writes applied to the shadow."""
+    def _propose(self, data):
+        """Random drafts for the requests that decode next, within what each may still output
+        (as ``Speculator.propose`` limits them)."""
+        for r in self.sched.running:
+            if r.num_computed_tokens != r.num_tokens - 1:
+                continue
+            limit = min(MAX_DRAFTS, r.max_tokens - r.num_output_tokens - 1, self.sched.max_model_len - r.num_tokens - 1)
+            if limit > 0:
+                r.spec_token_ids = data.draw(st.lists(ALPHABET, max_size=limit), label="drafts")
+
+    def _schedule_and_write(self, data=None):
+        """One schedule(), checked, with the model's K/V writes applied to the shadow (a
+        verification writes the request's last token and its drafts)."""
         self.clock += 0.25
+        if self.SPECULATE and data is not None:
+            self._propose(data)
         waiting = {r.request_id for r in self.sched.waiting}
         output = self.sched.schedule()
         self._check_output(output)
@@ -224,10 +245,15 @@ class KVCacheMachine(RuleBasedStateMachine):
                 self.num_admitted += 1
                 self.num_hit_tokens += s.num_computed_tokens  # a new admission starts at its hits
             table = self.kv.block_tables[r.request_id]
+            tokens = r.all_token_ids + list(s.spec_token_ids)
+            if s.spec_token_ids:
+                self.pending_drafts[r.request_id] = list(s.spec_token_ids)
             for pos in range(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens):
                 block_id = table[pos // self.bs].block_id
-                self.contents.setdefault(block_id, {})[pos % self.bs] = r.all_token_ids[pos]
-                self.context[block_id] = (r.cache_salt, tuple(r.all_token_ids[: pos + 1]))
+                self.contents.setdefault(block_id, {})[pos % self.bs] = tokens[pos]
+                self.context[block_id] = (r.cache_salt, tuple(tokens[: pos + 1]))
+        for r in self.sched.running:  # drafts the budget or the blocks left unscheduled are dropped
+            r.spec_token_ids = []
         return output
 
     @rule(data=st.data())
@@ -235,11 +261,16 @@ class KVCacheMachine(RuleBasedStateMachine):
         self._step(data)
 
     def _step(self, data):
-        output = self._schedule_and_write()
+        output = self._schedule_and_write(data)
         self.check_all()
         # The model may give a token to every scheduled request: only those that sample take it.
         sampled = {s.request.request_id: data.draw(ALPHABET, label="token") for s in output.scheduled}
         takes = {s.request.request_id for s in output.scheduled if s.is_sampled}
+        # A verification accepts a random number of its drafts, then its own token.
+        spec = {s.request.request_id: (list(s.spec_token_ids[:data.draw(st.integers(0, len(s.spec_token_ids)),
+                                                                          label="accepted")])
+                                       + [sampled[s.request.request_id]], None)
+                for s in output.scheduled if s.spec_token_ids}
         if output.scheduled and data.draw(st.integers(0, 7), label="abort mid-step") == 0:
             # Aborted after schedule(), before the model's output comes back.
             victim = data.draw(st.sampled_from(output.scheduled), label="aborted").request
@@ -248,11 +279,24 @@ class KVCacheMachine(RuleBasedStateMachine):
             takes.discard(victim.request_id)
             self.check_all()
         before = {s.request.request_id: s.request.num_output_tokens for s in output.scheduled}
-        updated = self.sched.update_from_output(output, sampled)
+        computed = {s.request.request_id: s.request.num_computed_tokens for s in output.scheduled}
+        updated = self.sched.update_from_output(output, sampled, spec_outputs=spec)
+        self.pending_drafts.clear()
         assert {r.request_id for r in updated} == takes
         for s in output.scheduled:
             r = s.request
-            assert r.num_output_tokens == before[r.request_id] + (r.request_id in takes)
+            rid = r.request_id
+            if rid in spec and rid in takes:  # the accepted drafts and one token, unless a stop came first
+                accepted = spec[rid][0]
+                got = r.num_output_tokens - before[rid]
+                assert 1 <= got <= len(accepted) and (got == len(accepted) or r.is_finished)
+                assert r.output_token_ids[before[rid]:] == accepted[:got]
+                if not r.is_finished:  # rolled back past the rejected drafts
+                    assert r.num_computed_tokens == computed[rid] - (len(s.spec_token_ids) - (len(accepted) - 1))
+                    assert r.num_computed_tokens == r.num_tokens - 1
+                self.num_accepted_drafts += len(accepted) - 1
+            else:
+                assert r.num_output_tokens == before[rid] + (rid in takes)
             if r.is_finished:
                 self.ended.add(r.request_id)
                 if r.status != RequestStatus.FINISHED_ABORTED:
@@ -291,9 +335,11 @@ class KVCacheMachine(RuleBasedStateMachine):
             r = s.request
             assert r.status == RequestStatus.RUNNING and r in sched.running
             assert s.num_new_tokens >= 1
-            if sched.long_prefill_token_threshold:
+            if s.spec_token_ids:  # a verification: the last token and its drafts, nothing else
+                assert s.num_computed_tokens == r.num_tokens - 1 and s.num_new_tokens == 1 + len(s.spec_token_ids)
+            elif sched.long_prefill_token_threshold:
                 assert s.num_new_tokens <= sched.long_prefill_token_threshold
-            assert s.num_computed_tokens + s.num_new_tokens == r.num_computed_tokens <= r.num_tokens
+            assert s.num_computed_tokens + s.num_new_tokens == r.num_computed_tokens <= r.num_tokens + len(s.spec_token_ids)
             assert r.num_computed_tokens <= sched.max_model_len
         if self.sched.requests and not output.scheduled:
             # Nothing scheduled while work is pending only when nothing can run at all.
@@ -367,7 +413,11 @@ class KVCacheMachine(RuleBasedStateMachine):
         for r in sched.running:
             assert r.status == RequestStatus.RUNNING
             table = kv.block_tables.get(r.request_id, [])
-            assert len(table) == cdiv(r.num_computed_tokens, bs), (r.request_id, len(table), r.num_computed_tokens)
+            # Speculating, it keeps the blocks of its rejected drafts' slots (the next steps write them).
+            lookahead = MAX_DRAFTS if self.SPECULATE else 0
+            assert cdiv(r.num_computed_tokens, bs) <= len(table) <= cdiv(r.num_computed_tokens + lookahead, bs), \
+                (r.request_id, len(table), r.num_computed_tokens)
+            assert all(b.block_hash is None for b in table[cdiv(r.num_computed_tokens, bs):])
             # Placeholders only where no later query (at num_computed_tokens or after) can read.
             live = 0 if self.WINDOW is None else max(0, r.num_computed_tokens - self.WINDOW + 1)
             for j, b in enumerate(table):
@@ -376,18 +426,20 @@ class KVCacheMachine(RuleBasedStateMachine):
                     self.saw_placeholder = True
             held_slots.update((table[p // bs].block_id, p % bs) for p in range(r.num_computed_tokens)
                               if table[p // bs] is not PLACEHOLDER_BLOCK)
-            # Every computed slot holds this request's token (prefix hits included).
+            # Every computed slot holds this request's token (prefix hits included; between
+            # schedule() and the update, its drafts after its tokens).
+            tokens = r.all_token_ids + self.pending_drafts.get(r.request_id, [])
             for pos in range(r.num_computed_tokens):
                 if table[pos // bs] is PLACEHOLDER_BLOCK:
                     continue
                 got = self.contents.get(table[pos // bs].block_id, {}).get(pos % bs)
-                assert got == r.all_token_ids[pos], f"{r.request_id} pos {pos}: {got} != {r.all_token_ids[pos]}"
+                assert got == tokens[pos], f"{r.request_id} pos {pos}: {got} != {tokens[pos]}"
             # Every full computed block (own or a prefix hit) was written in this request's whole
             # context: same salt, same tokens from the sequence start.
             for j in range(r.num_computed_tokens // bs):
                 if table[j] is PLACEHOLDER_BLOCK:
                     continue
-                expected = (r.cache_salt, tuple(r.all_token_ids[: (j + 1) * bs]))
+                expected = (r.cache_salt, tuple(tokens[: (j + 1) * bs]))
                 assert self.context.get(table[j].block_id) == expected, f"{r.request_id} block {j}: foreign context"
             # Only full, computed blocks are cached; a hash stands for one context only.
             for j, b in enumerate(table):
@@ -437,6 +489,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         event(f"prefix hit: {self.num_hit_tokens > 0}")
         if self.WINDOW is not None:
             event(f"freed a block out of the window: {self.saw_placeholder}")
+        if self.SPECULATE:
+            event(f"accepted a draft: {self.num_accepted_drafts > 0}")
         pool = self.kv.block_pool
         assert pool.get_num_free_blocks() == pool.num_blocks
         assert all(b.ref_cnt == 0 for b in pool.blocks)
@@ -451,10 +505,10 @@ SETTINGS = settings(
 )
 
 
-def _test_case(policy: str, caching: bool, window: int | None = None):
-    name = f"KVCacheMachine_{policy}_{caching}" + (f"_window{window}" if window else "")
+def _test_case(policy: str, caching: bool, window: int | None = None, speculate: bool = False):
+    name = f"KVCacheMachine_{policy}_{caching}" + (f"_window{window}" if window else "") + ("_spec" if speculate else "")
     machine = type(name, (KVCacheMachine,),
-                   {"POLICY": policy, "CACHING": caching, "WINDOW": window})
+                   {"POLICY": policy, "CACHING": caching, "WINDOW": window, "SPECULATE": speculate})
     case = machine.TestCase
     case.settings = SETTINGS
     return case
@@ -479,3 +533,7 @@ TestAdversarialGroupedCaching = _test_case("adversarial-grouped", True)
 TestFCFSCachingWindow = _test_case("fcfs", True, 3)
 TestFCFSNoCachingWindow = _test_case("fcfs", False, 5)
 TestAdversarialCachingWindow = _test_case("adversarial", True, 4)
+# Speculative decoding: random drafts, a random number accepted, rolled back past the rest.
+TestFCFSCachingSpeculative = _test_case("fcfs", True, speculate=True)
+TestAdversarialCachingSpeculative = _test_case("adversarial", True, speculate=True)
+TestFCFSCachingWindowSpeculative = _test_case("fcfs", True, 3, speculate=True)
