@@ -108,7 +108,7 @@ def rendezvous_from_env() -> tuple[int, int] | None:
 # Ranks other than 0 wait in a broadcast for as long as the server is idle: the group's timeout
 # must outlast any idle spell. A rank that dies is noticed by its peers' closed connections.
 _GROUP_TIMEOUT = datetime.timedelta(days=3650)
-_STORE_TIMEOUT = datetime.timedelta(seconds=600)  # how long the ranks of a group wait for each other to join
+STORE_TIMEOUT = datetime.timedelta(seconds=600)  # how long the ranks of a group wait for each other to join
 
 
 def init_tensor_parallel(rank: int, size: int, device: torch.device, master_addr: str, master_port: int,
@@ -119,7 +119,7 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device, master_addr
     global _tp
     backend = "nccl" if device.type == "cuda" else "gloo"
     if own_store:
-        store = dist.TCPStore(master_addr, master_port, size, is_master=rank == 0, timeout=_STORE_TIMEOUT)
+        store = dist.TCPStore(master_addr, master_port, size, is_master=rank == 0, timeout=STORE_TIMEOUT)
         dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=_GROUP_TIMEOUT)
     else:
         dist.init_process_group(

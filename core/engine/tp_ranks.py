@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import datetime
 import logging
 import os
 import socket
@@ -32,6 +31,7 @@ import torch
 from paged.core.config import EngineConfig, resolve_plugins
 from paged.core.engine.child_process import is_orphaned, read_config_from_stdin, spawn_child
 from paged.core.engine.distributed import (
+    STORE_TIMEOUT,
     TensorParallel,
     destroy_tensor_parallel,
     init_tensor_parallel,
@@ -250,7 +250,7 @@ def torchrun_placement(config: EngineConfig) -> tuple[int, int] | None:
 
 def _store(is_master: bool):
     return torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=is_master,
-                                      wait_for_workers=False, timeout=datetime.timedelta(seconds=600))
+                                      wait_for_workers=False, timeout=STORE_TIMEOUT)
 
 
 def host_group_store() -> None:

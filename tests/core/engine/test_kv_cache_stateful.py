@@ -252,8 +252,6 @@ class KVCacheMachine(RuleBasedStateMachine):
                 block_id = table[pos // self.bs].block_id
                 self.contents.setdefault(block_id, {})[pos % self.bs] = tokens[pos]
                 self.context[block_id] = (r.cache_salt, tuple(tokens[: pos + 1]))
-        for r in self.sched.running:  # drafts the budget or the blocks left unscheduled are dropped
-            r.spec_token_ids = []
         return output
 
     @rule(data=st.data())
@@ -478,7 +476,10 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert steps <= MAX_DRAIN_STEPS, "scheduler made no progress"
             output = self._schedule_and_write()
             self.check_all()
-            self.sched.update_from_output(output, {s.request.request_id: 1 for s in output.scheduled if s.is_sampled})
+            # drafts a request kept from a step it was not scheduled in are verified here: none accepted
+            self.sched.update_from_output(output, {s.request.request_id: 1 for s in output.scheduled if s.is_sampled},
+                                          spec_outputs={s.request.request_id: ([1], None)
+                                                        for s in output.scheduled if s.spec_token_ids})
         self.check_all()
         # Steering: more preemptions and more prefix-hit tokens are the interesting paths.
         target(float(self.num_preempted), label="preemptions")
