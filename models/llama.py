@@ -25,6 +25,7 @@ from torch import nn
 from paged.core.errors import ModelLoadError
 from paged.core.loading.weights import load_checkpoint
 from paged.core.model import AttentionShape
+from paged.models.direct_decoder import DirectDecoder
 from paged.models.layers import (
     Attention,
     GatedMLP,
@@ -142,6 +143,7 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, float(config.rms_norm_eps), dtype=dtype, device=device)
+        self._direct: DirectDecoder | None | bool = False  # False: not looked at yet (after loading)
 
     def forward(
         self,
@@ -152,11 +154,23 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
         cos_sin = self.rotary_emb.lookup(positions, hidden_states.dtype)  # once, for every layer
+        direct = getattr(self, "_direct", False)  # a subclass may not run this __init__ (the sparse decoders)
+        if direct is False:
+            stock = LlamaDecoderLayer.forward is _LAYER_FORWARD and type(self).forward is _MODEL_FORWARD
+            direct = self._direct = DirectDecoder.of(self, LlamaDecoderLayer) if stock else None
+        if direct is not None:
+            ops = direct.usable(hidden_states)
+            if ops is not None:  # the same calls without the module tree (paged.models.direct_decoder)
+                return direct.forward(ops, positions, hidden_states, cos_sin, kv_caches, attn_metadata)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata, cos_sin)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
+
+
+# as defined here: a subclass or a patch with another forward keeps the modules' path
+_LAYER_FORWARD, _MODEL_FORWARD = LlamaDecoderLayer.forward, LlamaModel.forward
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,121 @@
+"""The direct decoder path (``paged.models.direct_decoder``) computes what the module tree
+computes, bit for bit, and stands aside wherever it would not.
+
+Reference: the same model's ``nn.Module`` path, run on the same step inputs right after the direct
+one (the KV write is the same values twice). HF parity of the direct path itself is what every
+Llama/Qwen2 test against HF transformers checks (``test_llama_qwen2.py``, the engine parity
+tests), since it is the path those tests now run.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from helpers.tiny_llama import PROMPT, TINY
+from paged import LLM, SamplingParams
+from paged.models.direct_decoder import DirectDecoder
+from paged.models.layers import GatedMLP
+from paged.models.qwen3 import Qwen3ForCausalLM
+
+PROMPTS = [PROMPT * 7, list(range(300, 341)), PROMPT]  # 42, 41 and 6 tokens: chunked, then mixed steps
+
+
+def _save(path: Path, default_model_dir: str, config: transformers.PretrainedConfig) -> Path:
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32)
+    with torch.no_grad():  # biases are zero when made: random ones, so that adding them shows
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.5)
+    model.save_pretrained(path)
+    for f in Path(default_model_dir).iterdir():
+        if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
+            shutil.copy(f, path / f.name)
+    return path
+
+
+def _both_paths(llm: LLM) -> list[tuple[int, bool, bool]]:
+    """Make every forward of ``llm`` run direct, then through the modules on the same inputs;
+    returns per forward (tokens, direct path used, outputs bitwise equal)."""
+    model = llm.engine.core.runner.model.model
+    forward = type(model).forward
+    seen: list[tuple[int, bool, bool]] = []
+
+    def both(input_ids, positions, kv_caches, attn_metadata):
+        direct = forward(model, input_ids, positions, kv_caches, attn_metadata)
+        used = isinstance(model._direct, DirectDecoder) and model._direct.usable(direct) is not None
+        kept, model._direct = model._direct, None  # None: the modules
+        try:
+            modules = forward(model, input_ids, positions, kv_caches, attn_metadata)
+        finally:
+            model._direct = kept
+        seen.append((input_ids.shape[0], used, torch.equal(direct, modules)))
+        return direct
+
+    model.forward = both
+    return seen
+
+
+@pytest.mark.parametrize("kind, dtype", [("llama", "float32"), ("qwen2", "bfloat16"), ("default", "bfloat16")])
+def test_direct_layers_equal_the_modules_bit_for_bit(kind, dtype, tmp_path, default_model_dir):
+    """Prefill chunks of 16 tokens, mixed steps and decode of three requests, each forward on both
+    paths: equal outputs. Llama in float32 (dense weights), Qwen2 with q/k/v biases in bfloat16
+    (oneDNN-packed weights), the default model's GGUF in bfloat16 (its Q4_1 blocks kept)."""
+    if kind == "default":
+        model_dir, extra = default_model_dir, {}
+    else:
+        config = (transformers.LlamaConfig(**TINY) if kind == "llama" else
+                  transformers.Qwen2Config(**{**TINY, "tie_word_embeddings": False}))
+        model_dir, extra = str(_save(tmp_path / kind, default_model_dir, config)), {"quantization": "none"}
+    llm = LLM(model_dir, device="cpu", dtype=dtype, attention="torch", max_num_batched_tokens=16, block_size=4,
+              num_kv_blocks=64, **extra)
+    seen = _both_paths(llm)
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outputs)
+    assert len(seen) >= 12 and any(t > 1 for t, _, _ in seen) and any(t == 3 for t, _, _ in seen), seen
+    assert all(used for _, used, _ in seen), seen
+    assert all(equal for _, _, equal in seen), seen
+
+
+def test_hooks_patches_and_other_layers_keep_the_modules(tmp_path, default_model_dir, monkeypatch):
+    model_dir = _save(tmp_path / "llama", default_model_dir, transformers.LlamaConfig(**TINY))
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", attention="torch", num_kv_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    model = llm.engine.core.runner.model.model
+    expected = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
+    direct = model._direct
+    assert isinstance(direct, DirectDecoder)
+    hidden = torch.zeros(1, TINY["hidden_size"])
+    assert direct.usable(hidden) is not None
+
+    # a forward hook on a module the direct path skips: the modules run, and the hook sees every step
+    calls = []
+    handle = model.layers[1].mlp.register_forward_hook(lambda module, args, out: calls.append(out.shape[0]))
+    assert direct.usable(hidden) is None
+    assert llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids == expected
+    assert calls and len(calls) >= 4, calls
+    handle.remove()
+    assert direct.usable(hidden) is not None
+    global_handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: None)
+    try:
+        assert direct.usable(hidden) is None
+    finally:
+        global_handle.remove()
+    assert direct.usable(hidden.to(torch.float64)) is None  # a dtype the layer kernels do not take
+
+    # a class patched by a researcher, another attention, or the switch: no direct path
+    with monkeypatch.context() as m:
+        m.setattr(GatedMLP, "forward", lambda self, x: GatedMLP.forward(self, x))
+        assert DirectDecoder.of(model, type(model.layers[0])) is None
+    with monkeypatch.context() as m:
+        m.setenv("PAGED_DIRECT_LAYERS", "0")
+        assert DirectDecoder.of(model, type(model.layers[0])) is None
+    assert DirectDecoder.of(model, type(model.layers[0])) is not None
+    qwen3 = Qwen3ForCausalLM(transformers.Qwen3Config(**{**TINY, "head_dim": 8}), model.layers[0].self_attn.backend,
+                             torch.float32, "cpu")
+    assert DirectDecoder.of(qwen3.model, type(qwen3.model.layers[0])) is None
