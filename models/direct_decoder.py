@@ -4,29 +4,37 @@ dispatch in between.
 
 Why: at batch 1 the kernels of a decode step take ~3.4 ms on the default model (2-core EPYC);
 the module tree around them (``__call__`` and its hook checks, ~300 submodule calls, each
-layer's own checks of dtype and strides) took another ~1.4 ms, a quarter of the step. The direct
-path does the same arithmetic, call for call, in the same order: its hidden states are bitwise
-equal to the modules' (``tests/models/test_direct_decoder.py``).
+layer's own checks of dtype and strides) took another ~1 ms. The direct path does the same
+arithmetic, call for call, in the same order: its hidden states and KV writes are bitwise the
+modules' (``tests/models/test_direct_decoder.py``).
 
-It is used only where it is that same arithmetic (checked once, when ``DirectDecoder.of`` builds
-it, and per forward where it can change):
+It is used only where it is that same arithmetic. Checked when ``DirectDecoder.of`` reads the
+layers (at the model's first eager forward, after loading, quantization and LoRA set-up):
 
 - every layer is exactly paged's ``LlamaDecoderLayer`` with ``Attention``, ``RMSNorm``,
-  ``GatedMLP`` (SiLU) and the fused linears, none of their ``forward`` methods replaced, and
-  full-width rotary (Llama, Qwen2, Mistral and the plugins that subclass ``LlamaForCausalLM``
-  without their own attention; an architecture with its own attention or layer keeps its
-  modules);
-- one tensor-parallel rank (the row-parallel layers' all-reduce stays in their ``forward``);
-- per forward: a CPU tensor in the fused kernels' dtypes, not under ``torch.compile``, the
-  layer kernels built (``paged.models.cpu_layer_ops``), and no forward hook on any module it
-  skips (nor a global one). A projection with a LoRA adapter goes through the layer's own
-  ``_linear``.
+  ``GatedMLP`` (SiLU) and the fused linears, no module with a ``forward`` of its own or compiled
+  by ``Module.compile``, and full-width rotary (Llama, Qwen2, Mistral and the plugins that
+  subclass ``LlamaForCausalLM`` without their own attention; an architecture with its own
+  attention or layer keeps its modules);
+- one tensor-parallel rank (the row-parallel layers' all-reduce stays in their ``forward``).
 
-``PAGED_DIRECT_LAYERS=0`` keeps the modules (A/B measurements, debugging).
+Checked per forward (``usable``; ``LlamaModel.forward`` checks its own methods): a CPU tensor in
+the fused kernels' dtypes, not under ``torch.compile``, the layer kernels built
+(``paged.models.cpu_layer_ops``), the layer classes' methods still those they were defined with
+(``paged.models.layers.STOCK_METHODS``), and no forward hook on any module it skips (nor a global
+one). Per projection: a LoRA adapter goes through the layer's own ``_linear``; a product in
+another dtype than the model's or with a strided last dimension (a quantization plugin outside
+``QuantizedWeight``'s contract) ends the direct path for good, with one log line, and that
+forward is run again through the modules (the KV written until then is the same values).
+
+The modules are read once: a model whose layers are replaced after its first forward must set
+``LlamaModel._direct = False`` to have them read again. ``PAGED_DIRECT_LAYERS=0`` keeps the
+modules (A/B measurements, debugging).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -36,6 +44,7 @@ from torch.nn.modules import module as nn_module
 
 from paged.models import cpu_layer_ops
 from paged.models.layers import (
+    STOCK_METHODS,
     Attention,
     GatedMLP,
     Linear,
@@ -45,13 +54,11 @@ from paged.models.layers import (
     RowParallelLinear,
 )
 
-# The methods the direct path stands in for, as this module found them: a class patched after
-# import (a researcher's experiment) keeps its modules.
-_STOCK = {(cls, name): getattr(cls, name) for cls, name in [
-    (Attention, "forward"), (RMSNorm, "forward"), (GatedMLP, "forward"), (RotaryEmbedding, "forward"),
-    (RotaryEmbedding, "_rotate_both"), (MergedColumnParallelLinear, "forward"),
-    (MergedColumnParallelLinear, "_linear"), (RowParallelLinear, "forward"), (RowParallelLinear, "_linear"),
-]}
+logger = logging.getLogger(__name__)
+
+
+class _NotDirect(Exception):
+    """A product the fused kernels cannot take as the modules would (``_project``)."""
 
 
 class _Layer:
@@ -59,7 +66,7 @@ class _Layer:
 
     __slots__ = ("input_norm", "input_eps", "post_norm", "post_eps", "qkv", "qkv_bias", "o", "o_bias", "gate_up",
                  "gate_up_bias", "down", "down_bias", "qkv_sizes", "num_heads", "num_kv_heads", "head_dim", "q_size",
-                 "attention", "settings_kwargs", "rotary")
+                 "attention", "settings_kwargs")
 
     def __init__(self, layer: nn.Module) -> None:
         attn, mlp = layer.self_attn, layer.mlp
@@ -74,16 +81,22 @@ class _Layer:
             attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.q_size)
         self.attention = attn.backend.forward
         self.settings_kwargs = attn._settings_kwargs
-        self.rotary = attn.rotary
 
 
 def _project(proj: Linear, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     """``proj(x)`` without the module call: the quantized product, or the layer's own
     ``_linear`` (dense or packed weights, LoRA adapters)."""
     qweight = proj.qweight
-    if qweight is not None and proj.lora is None:
-        return qweight.linear(x, bias)
-    return proj._linear(x, bias)
+    y = qweight.linear(x, bias) if qweight is not None and proj.lora is None else proj._linear(x, bias)
+    if y.dtype != x.dtype or y.stride(-1) != 1:
+        raise _NotDirect(f"{type(qweight or proj).__name__}.linear returned {y.dtype} with strides {y.stride()} for {x.dtype}")
+    return y
+
+
+def _own_call(module: nn.Module) -> bool:
+    """A module whose call does not end in its class's ``forward``: an instance ``forward`` (a
+    wrapper set on the object) or ``Module.compile``."""
+    return "forward" in module.__dict__ or getattr(module, "_compiled_call_impl", None) is not None
 
 
 class DirectDecoder:
@@ -93,6 +106,7 @@ class DirectDecoder:
         self.layers = [_Layer(layer) for layer in model.layers]
         self.norm, self.norm_eps = model.norm.weight, model.norm.eps
         self.dtype = self.norm.dtype
+        self.failed = False
         # the hooks of every module the direct path skips, checked per forward (a dict per module,
         # filled in place by register_forward_hook)
         skipped = [m for layer in model.layers for m in layer.modules()] + [model.norm]
@@ -101,11 +115,9 @@ class DirectDecoder:
     @classmethod
     def of(cls, model: nn.Module, layer_type: type) -> "DirectDecoder | None":
         """The direct path for a ``LlamaModel`` whose layers should be exactly ``layer_type``
-        (``LlamaDecoderLayer``, its forward unpatched: the caller checks), or None where its
+        (``LlamaDecoderLayer``, its methods unpatched: the caller checks), or None where its
         modules must run (module docstring)."""
         if os.environ.get("PAGED_DIRECT_LAYERS", "1") == "0" or not len(model.layers) or type(model.norm) is not RMSNorm:
-            return None
-        if any(getattr(c, name) is not f for (c, name), f in _STOCK.items()):
             return None
         dtype = model.norm.weight.dtype
         for layer in model.layers:
@@ -118,21 +130,36 @@ class DirectDecoder:
                     or type(mlp.down_proj) is not RowParallelLinear
                     or type(attn.rotary) is not RotaryEmbedding or attn.rotary.rotary_dim != attn.head_dim
                     or mlp.activation != "silu" or attn.o_proj.tp.size != 1 or mlp.down_proj.tp.size != 1
-                    or layer.input_layernorm.weight.dtype != dtype or layer.post_attention_layernorm.weight.dtype != dtype):
+                    or layer.input_layernorm.weight.dtype != dtype or layer.post_attention_layernorm.weight.dtype != dtype
+                    or any(_own_call(m) for m in layer.modules())):
                 return None
-        return cls(model)
+        return None if _own_call(model.norm) else cls(model)
 
     def usable(self, hidden_states: torch.Tensor) -> Any | None:
         """The layer kernels when this forward can run direct, else None."""
         ops = cpu_layer_ops.enabled(hidden_states)
-        if (ops is None or hidden_states.dtype != self.dtype or nn_module._global_forward_hooks
-                or nn_module._global_forward_pre_hooks or any(self.hook_dicts)):
+        if (ops is None or self.failed or hidden_states.dtype != self.dtype or nn_module._global_forward_hooks
+                or nn_module._global_forward_pre_hooks or any(self.hook_dicts)
+                or any(getattr(c, name) is not f for (c, name), f in STOCK_METHODS.items())):
             return None
         return ops
 
-    def forward(self, ops: Any, positions: torch.Tensor, hidden_states: torch.Tensor,
-                cos_sin: tuple[torch.Tensor, torch.Tensor], kv_caches: list[Any], attn_metadata: Any) -> torch.Tensor:
-        """What ``LlamaModel.forward`` computes after the embedding, call for call."""
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                kv_caches: list[Any], attn_metadata: Any) -> torch.Tensor | None:
+        """What ``LlamaModel.forward`` computes after the embedding, call for call; None where
+        this forward must run through the modules."""
+        ops = self.usable(hidden_states)
+        if ops is None:
+            return None
+        try:
+            return self._layers(ops, hidden_states, cos_sin, kv_caches, attn_metadata)
+        except _NotDirect as e:
+            self.failed = True
+            logger.warning("direct decoder layers off, the modules run instead: %s", e)
+            return None
+
+    def _layers(self, ops: Any, hidden_states: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                kv_caches: list[Any], attn_metadata: Any) -> torch.Tensor:
         rms_norm, add_rms_norm, rotary, silu_and_mul = ops.rms_norm, ops.add_rms_norm, ops.rotary, ops.silu_and_mul
         cos, sin = cos_sin
         num_tokens = hidden_states.shape[0]
@@ -143,15 +170,11 @@ class DirectDecoder:
             else:
                 x, residual = add_rms_norm(hidden_states, residual, layer.input_norm, layer.input_eps)
             q, k, v = _project(layer.qkv, layer.qkv_bias, x).split(layer.qkv_sizes, dim=-1)
-            q = q.view(num_tokens, layer.num_heads, layer.head_dim)
-            k = k.view(num_tokens, layer.num_kv_heads, layer.head_dim)
-            v = v.view(num_tokens, layer.num_kv_heads, layer.head_dim)
-            if q.dtype == cos.dtype == k.dtype:
-                q, k = rotary(q, k, cos, sin)
-            else:  # a quantization plugin's product in another dtype: the module's torch ops
-                q, k = layer.rotary(positions, q, k, cos_sin)
-            out = layer.attention(q, k, v, kv_cache, attn_metadata, **layer.settings_kwargs)
-            del q, k, v
+            q, k = rotary(q.view(num_tokens, layer.num_heads, layer.head_dim),
+                          k.view(num_tokens, layer.num_kv_heads, layer.head_dim), cos, sin)
+            out = layer.attention(q, k, v.view(num_tokens, layer.num_kv_heads, layer.head_dim), kv_cache,
+                                  attn_metadata, **layer.settings_kwargs)
+            del q, k, v  # not kept into the next layer (64-row steps measured slower when they were)
             x, residual = add_rms_norm(_project(layer.o, layer.o_bias, out.reshape(num_tokens, layer.q_size)),
                                        residual, layer.post_norm, layer.post_eps)
             del out
@@ -159,4 +182,3 @@ class DirectDecoder:
                                      silu_and_mul(_project(layer.gate_up, layer.gate_up_bias, x)))
             del x
         return add_rms_norm(hidden_states, residual, self.norm, self.norm_eps)[0]
-

@@ -449,3 +449,13 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k, cos_sin)
         out = self.backend.forward(q, k, v, kv_cache, attn_metadata, **self._settings_kwargs)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+# The methods of these layers as defined above, recorded before anything can patch them:
+# ``paged.models.direct_decoder`` does their arithmetic without calling them, and only while each
+# class still has these (a researcher's patch of one makes the model run its modules).
+STOCK_METHODS: dict[tuple[type, str], Any] = {(cls, name): getattr(cls, name) for cls, name in [
+    (Attention, "forward"), (RMSNorm, "forward"), (GatedMLP, "forward"), (RotaryEmbedding, "forward"),
+    (RotaryEmbedding, "_rotate_both"), (MergedColumnParallelLinear, "forward"),
+    (MergedColumnParallelLinear, "_linear"), (RowParallelLinear, "forward"), (RowParallelLinear, "_linear"),
+]}

@@ -143,7 +143,7 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, float(config.rms_norm_eps), dtype=dtype, device=device)
-        self._direct: DirectDecoder | None | bool = False  # False: not looked at yet (after loading)
+        self._direct: DirectDecoder | None | bool = False  # False: not read yet (at the first eager forward)
 
     def forward(
         self,
@@ -154,14 +154,14 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
         cos_sin = self.rotary_emb.lookup(positions, hidden_states.dtype)  # once, for every layer
-        direct = getattr(self, "_direct", False)  # a subclass may not run this __init__ (the sparse decoders)
-        if direct is False:
-            stock = LlamaDecoderLayer.forward is _LAYER_FORWARD and type(self).forward is _MODEL_FORWARD
-            direct = self._direct = DirectDecoder.of(self, LlamaDecoderLayer) if stock else None
-        if direct is not None:
-            ops = direct.usable(hidden_states)
-            if ops is not None:  # the same calls without the module tree (paged.models.direct_decoder)
-                return direct.forward(ops, positions, hidden_states, cos_sin, kv_caches, attn_metadata)
+        if not torch.compiler.is_compiling():
+            direct = getattr(self, "_direct", False)  # a subclass may not run this __init__ (the sparse decoders)
+            if direct is False:
+                direct = self._direct = DirectDecoder.of(self, LlamaDecoderLayer) if type(self).forward is _MODEL_FORWARD else None
+            if direct is not None and LlamaDecoderLayer.forward is _LAYER_FORWARD and attention_block is _ATTENTION_BLOCK:
+                out = direct.forward(positions, hidden_states, cos_sin, kv_caches, attn_metadata)
+                if out is not None:  # the same calls without the module tree (paged.models.direct_decoder)
+                    return out
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata, cos_sin)
@@ -170,7 +170,7 @@ class LlamaModel(nn.Module):
 
 
 # as defined here: a subclass or a patch with another forward keeps the modules' path
-_LAYER_FORWARD, _MODEL_FORWARD = LlamaDecoderLayer.forward, LlamaModel.forward
+_LAYER_FORWARD, _MODEL_FORWARD, _ATTENTION_BLOCK = LlamaDecoderLayer.forward, LlamaModel.forward, attention_block
 
 
 class LlamaForCausalLM(nn.Module):

@@ -19,7 +19,9 @@ import transformers
 from helpers.tiny_llama import PROMPT, TINY
 from paged import LLM, SamplingParams
 from paged.models.direct_decoder import DirectDecoder
+from paged.models import llama
 from paged.models.layers import GatedMLP
+from paged.models.llama import attention_block
 from paged.models.qwen3 import Qwen3ForCausalLM
 
 PROMPTS = [PROMPT * 7, list(range(300, 341)), PROMPT]  # 42, 41 and 6 tokens: chunked, then mixed steps
@@ -39,42 +41,58 @@ def _save(path: Path, default_model_dir: str, config: transformers.PretrainedCon
     return path
 
 
-def _both_paths(llm: LLM) -> list[tuple[int, bool, bool]]:
-    """Make every forward of ``llm`` run direct, then through the modules on the same inputs;
-    returns per forward (tokens, direct path used, outputs bitwise equal)."""
+def _both_paths(llm: LLM, monkeypatch) -> list[tuple[int, bool, bool]]:
+    """Make every forward of ``llm`` run through the modules, then direct on the same inputs
+    (so the direct path's KV writes are the ones later steps read); returns per forward
+    (tokens, the direct path ran, outputs bitwise equal)."""
     model = llm.engine.core.runner.model.model
     forward = type(model).forward
     seen: list[tuple[int, bool, bool]] = []
+    ran: list[int] = []
+    layers = DirectDecoder._layers
+
+    def counted(self, *args):
+        ran.append(1)
+        return layers(self, *args)
+
+    monkeypatch.setattr(DirectDecoder, "_layers", counted)
 
     def both(input_ids, positions, kv_caches, attn_metadata):
-        direct = forward(model, input_ids, positions, kv_caches, attn_metadata)
-        used = isinstance(model._direct, DirectDecoder) and model._direct.usable(direct) is not None
         kept, model._direct = model._direct, None  # None: the modules
         try:
             modules = forward(model, input_ids, positions, kv_caches, attn_metadata)
         finally:
             model._direct = kept
-        seen.append((input_ids.shape[0], used, torch.equal(direct, modules)))
+        before = len(ran)
+        direct = forward(model, input_ids, positions, kv_caches, attn_metadata)
+        seen.append((input_ids.shape[0], len(ran) == before + 1, torch.equal(direct, modules)))
         return direct
 
     model.forward = both
     return seen
 
 
-@pytest.mark.parametrize("kind, dtype", [("llama", "float32"), ("qwen2", "bfloat16"), ("default", "bfloat16")])
-def test_direct_layers_equal_the_modules_bit_for_bit(kind, dtype, tmp_path, default_model_dir):
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**TINY),
+    "qwen2": lambda: transformers.Qwen2Config(**{**TINY, "tie_word_embeddings": False}),
+    "mistral": lambda: transformers.MistralConfig(**TINY, sliding_window=8),  # a window shorter than the prompts
+}
+
+
+@pytest.mark.parametrize("kind, dtype", [("llama", "float32"), ("qwen2", "bfloat16"), ("mistral", "float32"),
+                                         ("default", "bfloat16")])
+def test_direct_layers_equal_the_modules_bit_for_bit(kind, dtype, tmp_path, default_model_dir, monkeypatch):
     """Prefill chunks of 16 tokens, mixed steps and decode of three requests, each forward on both
     paths: equal outputs. Llama in float32 (dense weights), Qwen2 with q/k/v biases in bfloat16
-    (oneDNN-packed weights), the default model's GGUF in bfloat16 (its Q4_1 blocks kept)."""
+    (oneDNN-packed weights), Mistral with a sliding window (the attention's settings), the
+    default model's GGUF in bfloat16 (its Q4_1 blocks kept)."""
     if kind == "default":
         model_dir, extra = default_model_dir, {}
     else:
-        config = (transformers.LlamaConfig(**TINY) if kind == "llama" else
-                  transformers.Qwen2Config(**{**TINY, "tie_word_embeddings": False}))
-        model_dir, extra = str(_save(tmp_path / kind, default_model_dir, config)), {"quantization": "none"}
+        model_dir, extra = str(_save(tmp_path / kind, default_model_dir, CONFIGS[kind]())), {"quantization": "none"}
     llm = LLM(model_dir, device="cpu", dtype=dtype, attention="torch", max_num_batched_tokens=16, block_size=4,
               num_kv_blocks=64, **extra)
-    seen = _both_paths(llm)
+    seen = _both_paths(llm, monkeypatch)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 8 for o in outputs)
     assert len(seen) >= 12 and any(t > 1 for t, _, _ in seen) and any(t == 3 for t, _, _ in seen), seen
@@ -108,14 +126,29 @@ def test_hooks_patches_and_other_layers_keep_the_modules(tmp_path, default_model
         global_handle.remove()
     assert direct.usable(hidden.to(torch.float64)) is None  # a dtype the layer kernels do not take
 
-    # a class patched by a researcher, another attention, or the switch: no direct path
+    # a class patched after the first forward (a researcher's experiment): its code runs
+    patched = []
     with monkeypatch.context() as m:
-        m.setattr(GatedMLP, "forward", lambda self, x: GatedMLP.forward(self, x))
-        assert DirectDecoder.of(model, type(model.layers[0])) is None
+        m.setattr(GatedMLP, "forward", lambda self, x, _f=GatedMLP.forward: (patched.append(x.shape[0]), _f(self, x))[1])
+        assert direct.usable(hidden) is None
+        assert llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids == expected
+        assert len(patched) >= 4 * TINY["num_hidden_layers"], patched
+    calls.clear()
+    with monkeypatch.context() as m:
+        m.setattr(llama, "attention_block", lambda *args: (calls.append(1), attention_block(*args))[1])
+        assert llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids == expected
+        assert len(calls) >= 4 * TINY["num_hidden_layers"], calls
+    assert direct.usable(hidden) is not None
+
+    # read once: a wrapper on one module's instance, another attention, or the switch: no direct path
+    layer_type = type(model.layers[0])
+    with monkeypatch.context() as m:
+        m.setattr(model.layers[1].mlp.down_proj, "forward", lambda x: x, raising=False)
+        assert DirectDecoder.of(model, layer_type) is None
     with monkeypatch.context() as m:
         m.setenv("PAGED_DIRECT_LAYERS", "0")
-        assert DirectDecoder.of(model, type(model.layers[0])) is None
-    assert DirectDecoder.of(model, type(model.layers[0])) is not None
+        assert DirectDecoder.of(model, layer_type) is None
+    assert DirectDecoder.of(model, layer_type) is not None
     qwen3 = Qwen3ForCausalLM(transformers.Qwen3Config(**{**TINY, "head_dim": 8}), model.layers[0].self_attn.backend,
                              torch.float32, "cpu")
     assert DirectDecoder.of(qwen3.model, type(qwen3.model.layers[0])) is None
