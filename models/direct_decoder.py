@@ -1,6 +1,6 @@
 """Llama's decoder layers as direct calls: on a CPU, in eager mode, a step runs each layer as
-nine calls (two norms, four projections, rotary, attention, SiLU-and-mul) with no ``nn.Module``
-dispatch in between.
+nine calls (two norms, four projections, rotary, attention, SiLU-and-mul; Qwen3 two more for its
+q/k norms) with no ``nn.Module`` dispatch in between.
 
 Why: at batch 1 the kernels of a decode step take ~3.4 ms on the default model (2-core EPYC);
 the module tree around them (``__call__`` and its hook checks, ~300 submodule calls, each
@@ -11,10 +11,11 @@ modules' (``tests/models/test_direct_decoder.py``).
 It is used only where it is that same arithmetic. Checked when ``DirectDecoder.of`` reads the
 layers (at the model's first eager forward, after loading, quantization and LoRA set-up):
 
-- every layer is exactly paged's ``LlamaDecoderLayer`` with ``Attention``, ``RMSNorm``,
-  ``GatedMLP`` (SiLU) and the fused linears, no module with a ``forward`` of its own or compiled
-  by ``Module.compile``, and full-width rotary (Llama, Qwen2, Mistral and the plugins that
-  subclass ``LlamaForCausalLM`` without their own attention; an architecture with its own
+- every layer is exactly paged's ``LlamaDecoderLayer`` with ``Attention`` (or a registered
+  q/k-norm attention: Qwen3's ``QKNormAttention``), ``RMSNorm``, ``GatedMLP`` (SiLU) and the
+  fused linears, no module with a ``forward`` of its own or compiled by ``Module.compile``
+  (Llama, Qwen2, Qwen3, Mistral, Phi-3, whose partial rotary runs as its module, and the plugins
+  that subclass ``LlamaForCausalLM`` without their own attention; an architecture with its own
   attention or layer keeps its modules);
 - one tensor-parallel rank (the row-parallel layers' all-reduce stays in their ``forward``).
 
@@ -57,6 +58,18 @@ from paged.models.layers import (
 logger = logging.getLogger(__name__)
 
 
+# Attention classes that add an RMSNorm over each head of q and of k before rotary (Qwen3's
+# ``QKNormAttention``, which registers itself with its forward as defined), else ``Attention``.
+QK_NORM_ATTENTIONS: dict[type, Any] = {}
+
+
+def register_qk_norm_attention(cls: type) -> None:
+    """Let layers whose attention is exactly ``cls`` (``q_norm``/``k_norm`` RMSNorms, then
+    ``Attention``'s rotary, backend and ``o_proj``) run direct while ``cls.forward`` is the one
+    it has now."""
+    QK_NORM_ATTENTIONS[cls] = cls.forward
+
+
 class _NotDirect(Exception):
     """A product the fused kernels cannot take as the modules would (``_project``)."""
 
@@ -66,7 +79,7 @@ class _Layer:
 
     __slots__ = ("input_norm", "input_eps", "post_norm", "post_eps", "qkv", "qkv_bias", "o", "o_bias", "gate_up",
                  "gate_up_bias", "down", "down_bias", "qkv_sizes", "num_heads", "num_kv_heads", "head_dim", "q_size",
-                 "attention", "settings_kwargs")
+                 "attention", "settings_kwargs", "q_norm", "q_norm_eps", "k_norm", "k_norm_eps", "rotary")
 
     def __init__(self, layer: nn.Module) -> None:
         attn, mlp = layer.self_attn, layer.mlp
@@ -81,6 +94,11 @@ class _Layer:
             attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.q_size)
         self.attention = attn.backend.forward
         self.settings_kwargs = attn._settings_kwargs
+        qk_norm = type(attn) in QK_NORM_ATTENTIONS
+        self.q_norm, self.q_norm_eps = (attn.q_norm.weight, attn.q_norm.eps) if qk_norm else (None, 0.0)
+        self.k_norm, self.k_norm_eps = (attn.k_norm.weight, attn.k_norm.eps) if qk_norm else (None, 0.0)
+        # None: full-width rotary, the fused op; else the module (Phi-3's partial rotary)
+        self.rotary = None if attn.rotary.rotary_dim == attn.head_dim else attn.rotary
 
 
 def _project(proj: Linear, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
@@ -91,6 +109,16 @@ def _project(proj: Linear, bias: torch.Tensor | None, x: torch.Tensor) -> torch.
     if y.dtype != x.dtype or y.stride(-1) != 1:
         raise _NotDirect(f"{type(qweight or proj).__name__}.linear returned {y.dtype} with strides {y.stride()} for {x.dtype}")
     return y
+
+
+def _stock_attention(attn: nn.Module, dtype: torch.dtype) -> bool:
+    """``Attention``, or a registered q/k-norm attention with its forward as registered and
+    RMSNorms of the model's dtype."""
+    if type(attn) is Attention:
+        return True
+    forward = QK_NORM_ATTENTIONS.get(type(attn))
+    return (forward is not None and type(attn).forward is forward and type(attn.q_norm) is RMSNorm
+            and type(attn.k_norm) is RMSNorm and attn.q_norm.weight.dtype == dtype and attn.k_norm.weight.dtype == dtype)
 
 
 def _own_call(module: nn.Module) -> bool:
@@ -122,13 +150,13 @@ class DirectDecoder:
         dtype = model.norm.weight.dtype
         for layer in model.layers:
             attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-            if (type(layer) is not layer_type or type(attn) is not Attention or type(mlp) is not GatedMLP
+            if (type(layer) is not layer_type or not _stock_attention(attn, dtype) or type(mlp) is not GatedMLP
                     or type(layer.input_layernorm) is not RMSNorm or type(layer.post_attention_layernorm) is not RMSNorm
                     or type(attn.qkv_proj) is not MergedColumnParallelLinear
                     or type(attn.o_proj) is not RowParallelLinear
                     or type(mlp.gate_up_proj) is not MergedColumnParallelLinear
                     or type(mlp.down_proj) is not RowParallelLinear
-                    or type(attn.rotary) is not RotaryEmbedding or attn.rotary.rotary_dim != attn.head_dim
+                    or type(attn.rotary) is not RotaryEmbedding
                     or mlp.activation != "silu" or attn.o_proj.tp.size != 1 or mlp.down_proj.tp.size != 1
                     or layer.input_layernorm.weight.dtype != dtype or layer.post_attention_layernorm.weight.dtype != dtype
                     or any(_own_call(m) for m in layer.modules())):
@@ -140,7 +168,8 @@ class DirectDecoder:
         ops = cpu_layer_ops.enabled(hidden_states)
         if (ops is None or self.failed or hidden_states.dtype != self.dtype or nn_module._global_forward_hooks
                 or nn_module._global_forward_pre_hooks or any(self.hook_dicts)
-                or any(getattr(c, name) is not f for (c, name), f in STOCK_METHODS.items())):
+                or any(getattr(c, name) is not f for (c, name), f in STOCK_METHODS.items())
+                or any(c.forward is not f for c, f in QK_NORM_ATTENTIONS.items())):
             return None
         return ops
 
@@ -152,14 +181,14 @@ class DirectDecoder:
         if ops is None:
             return None
         try:
-            return self._layers(ops, hidden_states, cos_sin, kv_caches, attn_metadata)
+            return self._layers(ops, positions, hidden_states, cos_sin, kv_caches, attn_metadata)
         except _NotDirect as e:
             self.failed = True
             logger.warning("direct decoder layers off, the modules run instead: %s", e)
             return None
 
-    def _layers(self, ops: Any, hidden_states: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                kv_caches: list[Any], attn_metadata: Any) -> torch.Tensor:
+    def _layers(self, ops: Any, positions: torch.Tensor, hidden_states: torch.Tensor,
+                cos_sin: tuple[torch.Tensor, torch.Tensor], kv_caches: list[Any], attn_metadata: Any) -> torch.Tensor:
         rms_norm, add_rms_norm, rotary, silu_and_mul = ops.rms_norm, ops.add_rms_norm, ops.rotary, ops.silu_and_mul
         cos, sin = cos_sin
         num_tokens = hidden_states.shape[0]
@@ -170,8 +199,11 @@ class DirectDecoder:
             else:
                 x, residual = add_rms_norm(hidden_states, residual, layer.input_norm, layer.input_eps)
             q, k, v = _project(layer.qkv, layer.qkv_bias, x).split(layer.qkv_sizes, dim=-1)
-            q, k = rotary(q.view(num_tokens, layer.num_heads, layer.head_dim),
-                          k.view(num_tokens, layer.num_kv_heads, layer.head_dim), cos, sin)
+            q = q.reshape(num_tokens, layer.num_heads, layer.head_dim)
+            k = k.reshape(num_tokens, layer.num_kv_heads, layer.head_dim)
+            if layer.q_norm is not None:  # each head's q and k normed (Qwen3)
+                q, k = rms_norm(q, layer.q_norm, layer.q_norm_eps), rms_norm(k, layer.k_norm, layer.k_norm_eps)
+            q, k = rotary(q, k, cos, sin) if layer.rotary is None else layer.rotary(positions, q, k, cos_sin)
             out = layer.attention(q, k, v.view(num_tokens, layer.num_kv_heads, layer.head_dim), kv_cache,
                                   attn_metadata, **layer.settings_kwargs)
             del q, k, v  # not kept into the next layer (64-row steps measured slower when they were)

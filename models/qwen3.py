@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from paged.core.errors import ModelLoadError
+from paged.models.direct_decoder import register_qk_norm_attention
 from paged.models.layers import Attention, RMSNorm, RotaryEmbedding
 from paged.models.llama import LlamaForCausalLM, attention_shape, effective_sliding_window
 
@@ -65,6 +66,9 @@ class QKNormAttention(Attention):
         q, k = self.rotary(positions, q, k, cos_sin)
         out = self.backend.forward(q, k, v, kv_cache, attn_metadata, **self._settings_kwargs)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+register_qk_norm_attention(QKNormAttention)  # its layers run as direct calls (paged.models.direct_decoder)
 
 
 def qwen3_layer_window(hf_config: Any, layer_idx: int) -> int | None:

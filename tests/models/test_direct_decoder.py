@@ -20,8 +20,8 @@ from helpers.tiny_llama import PROMPT, TINY
 from paged import LLM, SamplingParams
 from paged.models.direct_decoder import DirectDecoder
 from paged.models import llama
-from paged.models.layers import GatedMLP
-from paged.models.llama import attention_block
+from paged.models.layers import Attention, GatedMLP
+from paged.models.llama import LlamaForCausalLM, attention_block
 from paged.models.qwen3 import Qwen3ForCausalLM
 
 PROMPTS = [PROMPT * 7, list(range(300, 341)), PROMPT]  # 42, 41 and 6 tokens: chunked, then mixed steps
@@ -76,16 +76,21 @@ CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(**TINY),
     "qwen2": lambda: transformers.Qwen2Config(**{**TINY, "tie_word_embeddings": False}),
     "mistral": lambda: transformers.MistralConfig(**TINY, sliding_window=8),  # a window shorter than the prompts
+    # q/k norms, a head_dim that is not hidden / heads, q/k/v biases, a sliding layer
+    "qwen3": lambda: transformers.Qwen3Config(**{**TINY, "tie_word_embeddings": False}, head_dim=16,
+                                              attention_bias=True, use_sliding_window=True, sliding_window=8,
+                                              max_window_layers=1),
+    "phi3": lambda: transformers.Phi3Config(**TINY, partial_rotary_factor=0.5),  # rotary over half of each head
 }
 
 
 @pytest.mark.parametrize("kind, dtype", [("llama", "float32"), ("qwen2", "bfloat16"), ("mistral", "float32"),
-                                         ("default", "bfloat16")])
+                                         ("qwen3", "bfloat16"), ("phi3", "float32"), ("default", "bfloat16")])
 def test_direct_layers_equal_the_modules_bit_for_bit(kind, dtype, tmp_path, default_model_dir, monkeypatch):
     """Prefill chunks of 16 tokens, mixed steps and decode of three requests, each forward on both
     paths: equal outputs. Llama in float32 (dense weights), Qwen2 with q/k/v biases in bfloat16
-    (oneDNN-packed weights), Mistral with a sliding window (the attention's settings), the
-    default model's GGUF in bfloat16 (its Q4_1 blocks kept)."""
+    (oneDNN-packed weights), Mistral with a sliding window (the attention's settings), Qwen3's
+    q/k norms, Phi-3's partial rotary, the default model's GGUF in bfloat16 (its Q4_1 blocks kept)."""
     if kind == "default":
         model_dir, extra = default_model_dir, {}
     else:
@@ -149,6 +154,19 @@ def test_hooks_patches_and_other_layers_keep_the_modules(tmp_path, default_model
         m.setenv("PAGED_DIRECT_LAYERS", "0")
         assert DirectDecoder.of(model, layer_type) is None
     assert DirectDecoder.of(model, layer_type) is not None
+    # a model plugin's own attention (a subclass of Attention, as the README's plugins write it)
+    class OwnAttention(Attention):
+        pass
+
+    class OwnModel(LlamaForCausalLM):
+        @classmethod
+        def build_attention(cls, hf_config, layer_idx, rotary, backend, *, dtype, device):
+            _, heads, kv_heads, head_dim = cls.attention_shape(hf_config)
+            return OwnAttention(hf_config.hidden_size, heads, kv_heads, head_dim, rotary, backend, dtype=dtype,
+                                device=device)
+
+    own = OwnModel(transformers.LlamaConfig(**TINY), model.layers[0].self_attn.backend, torch.float32, "cpu")
+    assert DirectDecoder.of(own.model, type(own.model.layers[0])) is None
     qwen3 = Qwen3ForCausalLM(transformers.Qwen3Config(**{**TINY, "head_dim": 8}), model.layers[0].self_attn.backend,
                              torch.float32, "cpu")
-    assert DirectDecoder.of(qwen3.model, type(qwen3.model.layers[0])) is None
+    assert DirectDecoder.of(qwen3.model, type(qwen3.model.layers[0])) is not None  # registered by paged.models.qwen3
