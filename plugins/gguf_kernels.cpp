@@ -369,13 +369,6 @@ void dequantize_row(const uint8_t* row, int64_t K, const Format& f, uint16_t* ds
   }
 }
 
-#ifdef PAGED_GGUF_AMX
-struct TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
 // 16 vectors of 16 dwords, transposed in place (rows[i][j] <-> rows[j][i]).
 inline void transpose16(__m512i r[16]) {
   __m512i t[16];
@@ -412,6 +405,72 @@ void dequantize_b_tiles(const uint8_t* w, int64_t stride, int64_t K, const Forma
     for (int i = 0; i < 16; ++i) _mm512_storeu_si512(tile + 16 * i, v[i]);
   }
 }
+
+// The many-rows path without AMX (AVX-512 BF16): each 32-row panel of the weight dequantized to
+// bf16 once per call, in the same pair layout as AMX's B tiles, then a register-blocked
+// vdpbf16ps kernel: per input pair, the panel's two vectors (16 weight rows x 2 inputs each) times
+// MR x rows' pair broadcast, into MR x 2 fp32 accumulators. The weights are rounded to bf16 once
+// (as the AMX path and a dense copy hold them); every product is summed in fp32.
+template <int MR>
+void panel_rows(const uint32_t* panel, const uint16_t* xb, int64_t K, int64_t N, int64_t m0, int64_t n0, uint16_t* out) {
+  __m512 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < K / 32; ++kb) {
+    const uint32_t* b = panel + kb * 512;
+    const uint16_t* x = xb + m0 * K + kb * 32;
+    for (int i = 0; i < 16; ++i) {  // inputs kb * 32 + 2i, 2i + 1
+      const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + 16 * i), b1 = (__m512bh)_mm512_loadu_si512(b + 256 + 16 * i);
+      for (int m = 0; m < MR; ++m) {
+        int32_t pair;
+        std::memcpy(&pair, x + m * K + 2 * i, 4);
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+        acc[m][0] = _mm512_dpbf16_ps(acc[m][0], a, b0);
+        acc[m][1] = _mm512_dpbf16_ps(acc[m][1], a, b1);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int h = 0; h < 2; ++h)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m0 + m) * N + n0 + 16 * h),
+                          (__m256i)_mm512_cvtneps_pbh(acc[m][h]));
+}
+
+constexpr int PANEL_MR = 8;  // x rows per register block: 16 accumulators, 2 weight vectors, 1 broadcast
+
+template <int BITS, int G>
+void gemm_panel(const Ctx& ctx, const uint8_t* w, int64_t M) {
+  const int64_t K = ctx.K, N = ctx.N, stride = ctx.f.row_bytes(K);
+  at::parallel_for(0, N / PANEL, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<uint32_t> panel(PANEL * K / 2);  // [K/32][2 halves][16 pairs][16 rows]
+    std::vector<uint16_t> rows(16 * K);
+    std::vector<float> scratch(2 * (K / G));
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * PANEL;
+      for (int half = 0; half < 2; ++half)
+        dequantize_b_tiles<BITS, G>(w + (n0 + 16 * half) * stride, stride, K, ctx.f, panel.data() + 256 * half, 2,
+                                    scratch.data(), rows.data());
+      int64_t m0 = 0;
+      for (; m0 + PANEL_MR <= M; m0 += PANEL_MR) panel_rows<PANEL_MR>(panel.data(), ctx.xb, K, N, m0, n0, ctx.out);
+      switch (M - m0) {
+        case 7: panel_rows<7>(panel.data(), ctx.xb, K, N, m0, n0, ctx.out); break;
+        case 6: panel_rows<6>(panel.data(), ctx.xb, K, N, m0, n0, ctx.out); break;
+        case 5: panel_rows<5>(panel.data(), ctx.xb, K, N, m0, n0, ctx.out); break;
+        case 4: panel_rows<4>(panel.data(), ctx.xb, K, N, m0, n0, ctx.out); break;
+        case 3: panel_rows<3>(panel.data(), ctx.xb, K, N, m0, n0, ctx.out); break;
+        case 2: panel_rows<2>(panel.data(), ctx.xb, K, N, m0, n0, ctx.out); break;
+        case 1: panel_rows<1>(panel.data(), ctx.xb, K, N, m0, n0, ctx.out); break;
+        default: break;
+      }
+    }
+  });
+}
+
+#ifdef PAGED_GGUF_AMX
+struct TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
 
 // C [m, n] = x [m, :] . W [n, :] on AMX: A tiles are 16 x rows (32 inputs, straight from x), B
 // tiles 16 weight rows dequantized to bf16 in pairs of inputs; 2 x 2 tiles of C per step.
@@ -479,10 +538,13 @@ void gemm_amx(const Ctx& ctx, const uint8_t* w, int64_t M) {
 #endif  // PAGED_GGUF_AMX
 
 template <int BITS, int G>
-void gemm_format(const Ctx& ctx, const uint8_t* w, int64_t M, bool amx) {
+void gemm_format(const Ctx& ctx, const uint8_t* w, int64_t M, bool many) {
+  if (many) {
 #ifdef PAGED_GGUF_AMX
-  if (amx) return gemm_amx<BITS, G>(ctx, w, M);
+    if (amx_available()) return gemm_amx<BITS, G>(ctx, w, M);
 #endif
+    return gemm_panel<BITS, G>(ctx, w, M);
+  }
   gemm_rows<BITS, G>(ctx, w, M);
 }
 
@@ -513,7 +575,8 @@ void check(const at::Tensor& packed, int64_t K, const Format& f, const char* op)
               op, ": packed must be [N, ", f.row_bytes(K), "] uint8 contiguous for K ", K, ", got ", packed.sizes());
 }
 
-// x [M, K] bfloat16 times packed [N, row_bytes] -> [M, N] bfloat16; AMX from amx_min_rows rows
+// x [M, K] bfloat16 times packed [N, row_bytes] -> [M, N] bfloat16; from many_min_rows rows on, AMX
+// tiles (gemm_amx) or, without AMX, AVX-512 panels (gemm_panel)
 #ifdef PAGED_GGUF_AVX512
 // x [M, K] bf16 -> int8 per 32 inputs (scale = max |x| / 127, round to nearest), the scales
 // lane-expanded per 64-input chunk: lanes 0-7 the chunk's first block, 8-15 its second.
@@ -541,7 +604,7 @@ void quantize_x(const uint16_t* xb, int64_t M, int64_t K, int8_t* xq, float* xql
 #endif
 
 at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t bits, int64_t group, int64_t super_block,
-                int64_t amx_min_rows, bool int8_activations) {
+                int64_t many_min_rows, bool int8_activations) {
   const Format f = format_of(bits, group, super_block);
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && x_in.device().is_cpu(),
               "gguf_gemm: x must be [M, K] bfloat16 on the CPU, got ", x_in.sizes(), " ", x_in.scalar_type());
@@ -553,9 +616,10 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t bits, 
   if (M == 0 || N == 0) return out;
   const int64_t groups = K / f.group;
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  const bool amx = amx_min_rows > 0 && M >= amx_min_rows && N % PANEL == 0 && amx_available();
-  std::vector<float> xs(amx ? 0 : M * groups);  // per group of x, its sum (the offset term's factor)
-  for (int64_t m = 0; m < (amx ? 0 : M); ++m)
+  // from many_min_rows rows on (0: never): AMX tiles where the CPU has them, else the AVX-512 panels
+  const bool many = many_min_rows > 0 && M >= many_min_rows && N % PANEL == 0;
+  std::vector<float> xs(many ? 0 : M * groups);  // per group of x, its sum (the offset term's factor)
+  for (int64_t m = 0; m < (many ? 0 : M); ++m)
     for (int64_t g = 0; g < groups; ++g) {
       float s = 0.f;
       for (int64_t j = 0; j < f.group; ++j) s += bf16_to_f(xb[m * K + g * f.group + j]);
@@ -564,7 +628,7 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t bits, 
   std::vector<int8_t> xq;
   std::vector<float> xql;
 #ifdef __AVX512VNNI__
-  if (int8_activations && !amx) {
+  if (int8_activations && !many) {
     xq.resize(M * K);
     xql.resize(M * (K / CHUNK) * 16);
     quantize_x(xb, M, K, xq.data(), xql.data());
@@ -573,7 +637,7 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t bits, 
   const Ctx ctx{K, N, f, xb, xs.data(), reinterpret_cast<uint16_t*>(out.data_ptr()), xq.empty() ? nullptr : xq.data(),
                 xql.data()};
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  dispatch(f, [&](auto b, auto g) { gemm_format<decltype(b)::value, decltype(g)::value>(ctx, w, M, amx); });
+  dispatch(f, [&](auto b, auto g) { gemm_format<decltype(b)::value, decltype(g)::value>(ctx, w, M, many); });
 #endif
   return out;
 }
@@ -616,7 +680,7 @@ bool kernels_int8_activations() {
 }  // namespace
 
 TORCH_LIBRARY(paged_gguf, m) {  // CPU kernels below; fakes in Python
-  m.def("gemm(Tensor x, Tensor packed, int bits, int group, int super_block, int amx_min_rows, bool int8_activations) -> Tensor");
+  m.def("gemm(Tensor x, Tensor packed, int bits, int group, int super_block, int many_min_rows, bool int8_activations) -> Tensor");
   m.def("dequantize_rows(Tensor packed, Tensor ids, int K, int bits, int group, int super_block) -> Tensor");
 }
 

@@ -14,7 +14,7 @@ so nothing is rounded on the way in::
         (high nibble); 5 and 6 bits add 1 or 2 bit planes of 8 bytes (bit i: input i's bit 4 + p);
         8 bits: the 64 bytes as they are. 2- and 3-bit codes are held as 4 (exact, more memory).
 
-Arithmetic, for few rows (decode steps; ``gemm`` below ``amx_min_rows``): each 32-input half
+Arithmetic, for few rows (decode steps; ``gemm`` below ``many_min_rows``): each 32-input half
 becomes the bf16 numbers ``128 + u`` (one OR: exact, ``u < 128``; 8 bits: two nibbles, the high one
 as ``2048 + 16 hi``), one ``vdpbf16ps`` per x row gives 16 fp32 lanes of pair sums, multiplied by
 the lane's group scale (with groups of 16, the lower 8 lanes are one group, the upper 8 the next);
@@ -31,7 +31,12 @@ dequantized to bfloat16 (``scale * u + offset`` rounded once, as a dense bf16 co
 and transposed in registers into AMX's B layout (pairs of inputs), x goes straight from memory
 into A tiles, and ``tdpbf16ps`` accumulates ``C[m, n]`` in fp32 (2 x 2 tiles per step). No dense
 copy lives beyond the call's panel. (Weights as A tiles and x transposed into B instead: 10%
-faster up to 32 rows, 10-20% slower from 128, the output transposes; not kept.)
+faster up to 32 rows, 10-20% slower from 128, the output transposes; not kept.) Without AMX the
+same panels (32 weight rows as bf16, in the B tiles' pair layout) feed a register-blocked
+``vdpbf16ps`` kernel: per input pair, the panel's two vectors times a broadcast of 8 x rows'
+pair, into 16 fp32 accumulators; the same weights rounded once as on AMX, then fp32 sums. The
+call's ``many_min_rows`` (the ``gguf`` method's ``amx_min_rows`` on AMX CPUs, its
+``panel_min_rows`` elsewhere; 0 = never) is where the many-rows path starts.
 """
 
 from __future__ import annotations
@@ -78,7 +83,7 @@ def load() -> Any | None:
 @functools.cache
 def _register_fakes() -> None:
     @torch.library.register_fake("paged_gguf::gemm")
-    def _fake_gemm(x, packed, bits, group, super_block, amx_min_rows, int8_activations):
+    def _fake_gemm(x, packed, bits, group, super_block, many_min_rows, int8_activations):
         return x.new_empty(x.shape[0], packed.shape[0])
 
     @torch.library.register_fake("paged_gguf::dequantize_rows")
@@ -146,10 +151,10 @@ def pack(scales: BlockScales, weight: torch.Tensor) -> tuple[torch.Tensor, tuple
     return packed, (bits, group, super_block)
 
 
-def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: tuple[int, int, int], amx_min_rows: int,
+def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: tuple[int, int, int], many_min_rows: int,
          int8_activations: bool) -> torch.Tensor:
     """The kernel as the torch op (what ``torch.compile`` traces; eager code calls ``load()``'s)."""
-    return torch.ops.paged_gguf.gemm(x, packed, *fmt, amx_min_rows, int8_activations)
+    return torch.ops.paged_gguf.gemm(x, packed, *fmt, many_min_rows, int8_activations)
 
 
 def dequantize_rows(packed: torch.Tensor, ids: torch.Tensor, k: int, fmt: tuple[int, int, int]) -> torch.Tensor:

@@ -6,7 +6,8 @@ Each weight holds its codes and two-level scales as the file does (2- and 3-bit 
 4): resident weights are 1.0-1.12x the file's bytes for the 4- to 8-bit types. Few rows (decode)
 run the exact ``vdpbf16ps`` kernel (or, with ``int8_activations``, x quantized to int8 per 32
 inputs and ``vpdpbusd``, as llama.cpp does: faster, less exact); from ``amx_min_rows`` rows on, CPUs with AMX dequantize 32 weight
-rows at a time into bfloat16 tiles. Without the kernels (no AVX-512 BF16) the weights keep
+rows at a time into bfloat16 tiles, and from ``panel_min_rows`` rows on CPUs without AMX into
+bfloat16 panels for a register-blocked ``vdpbf16ps`` kernel. Without the kernels (no AVX-512 BF16) the weights keep
 their codes and scales as tensors and each call dequantizes with torch ops (correct, slow).
 """
 
@@ -28,6 +29,11 @@ class GGUFOptions(BaseModel):
     amx_min_rows: int = Field(
         6, ge=0, description="batches of at least this many rows use AMX tiles (CPUs with AMX; 0 = never): "
         "benchmarks/gguf_gemm.py measures the crossing, 5-8 rows on the 2-core Xeon",
+    )
+    panel_min_rows: int = Field(
+        16, ge=0, description="on CPUs without AMX, batches of at least this many rows dequantize 32 weight rows at "
+        "a time to bfloat16 panels for a register-blocked vdpbf16ps kernel (0 = never): benchmarks/gguf_gemm.py "
+        "measures the crossing, 8-16 rows on the 2-core EPYC (2.1x the few-rows kernel at 64 rows, 2.7x at 128)",
     )
     int8_activations: bool = Field(
         False, description="below amx_min_rows, quantize x to int8 per 32 inputs (as llama.cpp's Q8 activations) "
@@ -52,9 +58,11 @@ class GGUFWeight:
         self.shape = shape
         self.dtype = dtype
         self.kind = kind
-        self.amx_min_rows = options.amx_min_rows
         self.int8_activations = options.int8_activations
         self.kernels = gguf_kernels.load() if options.kernel else None
+        # the kernel's many-rows path from this many rows on: AMX tiles where the CPU has them, else panels
+        amx = self.kernels is not None and self.kernels.amx_available()
+        self.many_min_rows = options.amx_min_rows if amx else options.panel_min_rows
         self.packed: torch.Tensor | None = None
         self.fmt: tuple[int, int, int] = (0, 0, 0)
         self.codes = self.scale = self.offset = None
@@ -84,9 +92,9 @@ class GGUFWeight:
         if self.packed is not None:
             xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
             if torch.compiler.is_compiling():
-                out = gguf_kernels.gemm(xb, self.packed, self.fmt, self.amx_min_rows, self.int8_activations)
+                out = gguf_kernels.gemm(xb, self.packed, self.fmt, self.many_min_rows, self.int8_activations)
             else:
-                out = self.kernels.gemm(xb, self.packed, *self.fmt, self.amx_min_rows, self.int8_activations)
+                out = self.kernels.gemm(xb, self.packed, *self.fmt, self.many_min_rows, self.int8_activations)
             out = out.to(x.dtype)
         else:
             out = torch.nn.functional.linear(x, self.dequantize().to(x.dtype))
