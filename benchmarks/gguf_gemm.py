@@ -6,8 +6,9 @@ A decode step's weights of the default model's shapes (30 layers x qkv, o, gate_
 blocks of each type), called in the model's order so that they come from memory as in a step;
 the candidates alternate, one whole pass each per round. Prints ms per pass for each row count,
 with the GGUF kernel's three paths (``rows-i8``: the few-rows path with int8 activations, vpdpbusd) (K-quants on shapes widened to 768 inputs: 576 is not a
-multiple of their 256-input super-blocks) (``rows``: vdpbf16ps on exact codes, ``amx``: dequantized panels on AMX tiles),
-and the row count from which ``amx`` wins (what ``amx_min_rows`` should be).
+multiple of their 256-input super-blocks) (``rows``: vdpbf16ps on exact codes, ``many``: dequantized bf16 panels on
+AMX tiles, or without AMX in register blocks of vdpbf16ps), and the row count from which ``many`` wins (what
+``amx_min_rows``, or ``panel_min_rows`` without AMX, should be).
 
     python benchmarks/gguf_gemm.py
     python benchmarks/gguf_gemm.py --kinds q4_k,q6_k --rows 1,4,16,64,256 --rounds 7

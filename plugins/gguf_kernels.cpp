@@ -1,6 +1,6 @@
 // GGUF block weights (codes of 4, 5, 6 or 8 bits, two-level scales) x bfloat16 activations on
-// AVX-512 BF16 CPUs, with AMX tiles for many rows; built and loaded by gguf_kernels.py (see its
-// docstring for the layout and the arithmetic).
+// AVX-512 BF16 CPUs, with bf16 panels for many rows (on AMX tiles, or in vdpbf16ps register blocks
+// without AMX); built and loaded by gguf_kernels.py (see its docstring for the layout and the arithmetic).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -29,7 +29,7 @@ constexpr int64_t ROW_GRAIN = 16;
 // x rows per pass over the weights in the few-rows path (speculative verification runs 2-8)
 constexpr int64_t ROWS_PER_PASS = 8;
 constexpr int64_t PREFETCH_BYTES = 8192;  // as quant_kernels.cpp: a call is too short for the hardware prefetchers
-constexpr int64_t PANEL = 32;             // AMX: weight rows dequantized at once (two A tiles)
+constexpr int64_t PANEL = 32;             // many rows: weight rows dequantized at once (two B tiles' worth)
 
 // The packed layout of one weight: per row, the codes of each 64-input chunk (chunk_bytes),
 // then (two-level) the int8 scale and offset codes per group, then the float16 super-block

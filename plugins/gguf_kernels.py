@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 _SOURCE = native.read_source(Path(__file__).with_suffix(".cpp"))
 _CFLAGS = native.CFLAGS
 CHUNK = 64
-PANEL = 32  # AMX: weight rows dequantized together; N must be a multiple for the AMX path
+PANEL = 32  # the many-rows path (AMX or AVX-512 panels): weight rows dequantized together; N must be a multiple
 
 
 def build_name() -> str:

@@ -36,7 +36,7 @@ class GGUFOptions(BaseModel):
         "measures the crossing, 8-16 rows on the 2-core EPYC (2.1x the few-rows kernel at 64 rows, 2.7x at 128)",
     )
     int8_activations: bool = Field(
-        False, description="below amx_min_rows, quantize x to int8 per 32 inputs (as llama.cpp's Q8 activations) "
+        False, description="below the many-rows path (amx_min_rows with AMX, panel_min_rows without), quantize x to int8 per 32 inputs (as llama.cpp's Q8 activations) "
         "and multiply with vpdpbusd (CPUs with AVX-512 VNNI): 1.2-1.5x faster decode, but it flips near-ties "
         "(the README's France question on the default model); false = exact products of the codes with bf16 x",
     )
