@@ -96,18 +96,8 @@ def phase_paged(args) -> dict:
             "weight_mib": llm.engine.core.runner.weight_bytes / 2**20}
 
 
-def _phase_args(args, variant: str) -> list[str]:
-    return ["--phase", "--variant", variant, "--gguf", args.gguf, "--threads", str(args.threads),
-            "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens),
-            "--repeats", str(args.repeats), "--batch-prompt", str(args.batch_prompt), "--batch-new", str(args.batch_new),
-            "--batches", ",".join(map(str, args.batches)), "--attention", args.attention]
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--llamacpp-dir", default=None, help="folder with llama-bench and llama-batched-bench")
-    parser.add_argument("--gguf", default=None, help="default: the embedded SmolLM2-135M-Instruct Q4_1")
-    parser.add_argument("--variants", default="bfloat16:none,bfloat16:auto", help="paged DTYPE:QUANTIZATION list")
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The workload's flags (shared with ``benchmarks/peers.py``, which runs the same one)."""
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -115,14 +105,38 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-prompt", type=int, default=128)
     parser.add_argument("--batch-new", type=int, default=64)
     parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64])
-    parser.add_argument("--attention", default="auto")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, not a measurement")
-    parser.add_argument("--phase", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--variant", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+
+
+def quick_sizes(args) -> None:
+    """``--quick``: the workload at tiny sizes."""
     if args.quick:
         args.prompt_tokens, args.new_tokens, args.repeats = 16, 8, 1
         args.batch_prompt, args.batch_new, args.batches = 16, 8, [1, 2]
+
+
+def workload_argv(args) -> list[str]:
+    """The workload's flags as a phase's command line."""
+    return ["--threads", str(args.threads), "--prompt-tokens", str(args.prompt_tokens), "--new-tokens",
+            str(args.new_tokens), "--repeats", str(args.repeats), "--batch-prompt", str(args.batch_prompt),
+            "--batch-new", str(args.batch_new), "--batches", ",".join(map(str, args.batches))]
+
+
+def _phase_args(args, variant: str) -> list[str]:
+    return ["--phase", "--variant", variant, "--gguf", args.gguf, *workload_argv(args), "--attention", args.attention]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--llamacpp-dir", default=None, help="folder with llama-bench and llama-batched-bench")
+    parser.add_argument("--gguf", default=None, help="default: the embedded SmolLM2-135M-Instruct Q4_1")
+    parser.add_argument("--variants", default="bfloat16:none,bfloat16:auto", help="paged DTYPE:QUANTIZATION list")
+    add_workload_args(parser)
+    parser.add_argument("--attention", default="auto")
+    parser.add_argument("--phase", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    quick_sizes(args)
     if args.gguf is None:
         from paged.core.loading.gguf import default_gguf_path
 

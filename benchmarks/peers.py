@@ -40,6 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _bench  # noqa: E402
+from llamacpp import add_workload_args, quick_sizes, workload_argv  # noqa: E402
 
 HERE = Path(__file__).resolve()
 PEERS = Path.home() / ".cache" / "paged-peers"
@@ -138,22 +139,16 @@ def setup_openvino(model_dir: Path) -> None:
 
 
 # --- the driver ----------------------------------------------------------------------------------
-def _workload_args(args) -> list[str]:
-    return ["--threads", str(args.threads), "--prompt-tokens", str(args.prompt_tokens), "--new-tokens",
-            str(args.new_tokens), "--repeats", str(args.repeats), "--batch-prompt", str(args.batch_prompt),
-            "--batch-new", str(args.batch_new), "--batches", ",".join(map(str, args.batches))]
-
-
 def run_paged(args) -> dict:
     llamacpp = str(HERE.parent / "llamacpp.py")
     return _bench.run_phase(llamacpp, ["--phase", "--variant", "bfloat16:auto", "--gguf", args.gguf,
-                                       "--attention", "auto", *_workload_args(args)])
+                                       "--attention", "auto", *workload_argv(args)])
 
 
 def run_openvino(args, fmt: str) -> dict:
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     proc = subprocess.run([str(OV_VENV / "bin" / "python"), str(HERE), "--worker", "openvino", "--model",
-                           str(OV_MODELS / fmt), *_workload_args(args)], capture_output=True, text=True, env=env,
+                           str(OV_MODELS / fmt), *workload_argv(args)], capture_output=True, text=True, env=env,
                           timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"OpenVINO {fmt} failed:\n{proc.stderr[-4000:]}")
@@ -163,20 +158,11 @@ def run_openvino(args, fmt: str) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--setup", action="store_true", help="make the OpenVINO venv and export the model, then exit")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--batch-prompt", type=int, default=128)
-    parser.add_argument("--batch-new", type=int, default=64)
-    parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, not a measurement")
+    add_workload_args(parser)
     parser.add_argument("--worker", choices=["openvino"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.quick:
-        args.prompt_tokens, args.new_tokens, args.repeats = 16, 8, 1
-        args.batch_prompt, args.batch_new, args.batches = 16, 8, [1, 2]
+    quick_sizes(args)
     if args.worker:
         print(json.dumps(worker_openvino(args)))
         return
