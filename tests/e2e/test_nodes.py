@@ -26,7 +26,7 @@ from threading import Barrier
 import pytest
 import torch
 
-from helpers.server import free_port, serve, wait_for
+from helpers.server import free_port, free_port_pair, serve, wait_for
 from helpers.tiny_llama import TINY, save_tiny_llama
 
 pytestmark = pytest.mark.slow
@@ -127,7 +127,7 @@ def stream(server, prompt, max_tokens, started):
 
 def test_two_nodes_serve_as_one_engine_and_survive_a_lost_node(setup, tmp_path):
     root, expected = setup
-    rpc, port = free_port(), free_port()
+    rpc, port = free_port_pair(), free_port()
     front = ["--port", str(port), "--api-key", "sk-paged-test", "--served-model-name", "tiny",
              "--data-parallel-on-core-loss", "continue", *FAST_LOSS]
     with headless(root, rpc, *FAST_LOSS) as (node1, _), \
@@ -179,7 +179,7 @@ def test_two_nodes_serve_as_one_engine_and_survive_a_lost_node(setup, tmp_path):
 
 def test_by_default_a_lost_node_ends_the_engine(setup, tmp_path):
     root, _ = setup
-    rpc, port = free_port(), free_port()
+    rpc, port = free_port_pair(), free_port()
     front = ["--port", str(port), "--api-key", "sk-paged-test", "--served-model-name", "tiny", *FAST_LOSS]
     with headless(root, rpc, *FAST_LOSS) as (node1, _), \
             serve(node_args(root, rpc, *front), tmp_path, port, ONE_THREAD) as server:
@@ -200,7 +200,7 @@ def test_other_keys_and_other_settings_are_refused_on_both_sides(setup, tmp_path
     """Two nodes for rank 1 at once, one with other keys, one with another max_model_len: both
     are refused, with a log line on each side (the right node joining is the first test's)."""
     root, _ = setup
-    rpc, port = free_port(), free_port()
+    rpc, port = free_port_pair(), free_port()
     log = tmp_path / "node0.log"
     front = ["--port", str(port), "--api-key", "sk-paged-test", "--served-model-name", "tiny"]
     with open(log, "w") as f:
@@ -223,7 +223,7 @@ def test_other_keys_and_other_settings_are_refused_on_both_sides(setup, tmp_path
 
 def test_start_up_names_the_ranks_that_never_connected(setup, tmp_path):
     root, _ = setup
-    rpc, port = free_port(), free_port()
+    rpc, port = free_port_pair(), free_port()
     proc = subprocess.run([sys.executable, "-m", "paged.core.cli", "serve", *node_args(
         root, rpc, "--port", str(port), "--data-parallel-start-timeout-s", "3")], capture_output=True, text=True,
         timeout=300)
@@ -254,7 +254,7 @@ def test_torchrun_launches_data_times_tensor_parallelism(setup, tmp_path):
     from helpers.server import Server
 
     root, expected = setup
-    master, port, rpc = str(free_port()), free_port(), str(free_port())
+    master, port, rpc = str(free_port()), free_port(), str(free_port_pair())
     launchers = []
     for node_rank in (0, 1):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",

@@ -2,6 +2,7 @@
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -18,6 +19,32 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_pair() -> int:
+    """A port p with p and p + 1 both free (the engine cores' RPC sockets: ``--data-parallel-rpc-port``
+    and the next one), below the kernel's ephemeral range: ``free_port`` hands out ports in that
+    range, where any outgoing connection of another test may take p + 1 before the server binds it
+    ("Address already in use" in a CI run)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(10000, max(10002, low - 2))
+        if _bindable(port) and _bindable(port + 1):
+            return port
+    raise AssertionError("no two consecutive free ports below the ephemeral range")
 
 
 def alive(pid: int) -> bool:
