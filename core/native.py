@@ -76,10 +76,15 @@ def build_name(prefix: str, source: str, cflags: list[str]) -> str:
 
 
 def build_root() -> str:
-    """Where the builds live: ``$TORCH_EXTENSIONS_DIR``, else torch's default (``~/.cache/torch_extensions``)."""
-    from torch.utils import cpp_extension
+    """Where the builds live: ``$TORCH_EXTENSIONS_DIR``, else torch's default (``~/.cache/torch_extensions``),
+    computed as ``cpp_extension.get_default_build_root`` computes it: importing ``cpp_extension``
+    (setuptools with it) costs every process that only loads a built library ~0.2 s of CPU."""
+    configured = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if configured:
+        return configured
+    from torch import _appdirs
 
-    return os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return os.path.realpath(_appdirs.user_cache_dir(appname="torch_extensions"))
 
 
 def library_path(name: str) -> str:

@@ -21,25 +21,56 @@ def default_model_dir():
 
 @pytest.fixture(scope="session")
 def hf_greedy(default_model_dir):
-    """Greedy continuations from HF transformers on the same weights, one prompt at a time
-    (no padding), keyed by (prompt token ids, max_new_tokens)."""
+    """HF transformers' greedy continuation of ``prompt_ids`` on the same weights (float32, one
+    prompt at a time, no padding), as ``model.generate(max_new_tokens=..., do_sample=False)``
+    gives it: up to ``max_new_tokens`` tokens, ending at the first EOS.
+
+    ``candidate``, the tokens under test, makes it cheap: one forward over prompt + candidate
+    (teacher forcing) instead of one per token. While the candidate's tokens are HF's argmax,
+    HF's greedy continuation is the candidate; at the first token where they differ the result
+    ends with HF's own token there, so it differs from the candidate exactly when generation would.
+    Past a fully confirmed candidate that stopped early (not at EOS), HF generates the rest."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
     model.eval()
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     cache = {}
 
-    def generate(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    def run_generate(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        with torch.inference_mode():
+            out = model.generate(
+                torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+            )
+        return out[0, len(prompt_ids):].tolist()
+
+    def generate(prompt_ids: list[int], max_new_tokens: int, candidate: list[int] | None = None) -> list[int]:
         key = (tuple(prompt_ids), max_new_tokens)
-        if key not in cache:
-            with torch.inference_mode():
-                out = model.generate(
-                    torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                    max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
-                )
-            cache[key] = out[0, len(prompt_ids):].tolist()
-        return cache[key]
+        if key in cache:
+            return cache[key]
+        if not candidate:
+            cache[key] = run_generate(prompt_ids, max_new_tokens)
+            return cache[key]
+        candidate = list(candidate[:max_new_tokens])
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt_ids + candidate])).logits[0]
+        # hf_next[i]: HF's greedy token after the prompt and candidate[:i]
+        hf_next = logits[len(prompt_ids) - 1:].argmax(-1).tolist()
+        expected: list[int] = []
+        for i in range(max_new_tokens):
+            token = hf_next[i]
+            expected.append(token)
+            if token in eos_ids or token != candidate[i]:
+                return expected  # EOS, or HF's first token unlike the candidate's
+            if i + 1 == len(candidate) and len(expected) < max_new_tokens:
+                rest = run_generate(prompt_ids + expected, max_new_tokens - len(expected))
+                expected += rest
+                break
+        cache[key] = expected
+        return expected
 
     return generate
 
@@ -50,51 +81,50 @@ def hf_greedy(default_model_dir):
 # one unit each. Units start slowest first (the order of SLOWEST_FIRST, then the rest) so that
 # the workers finish together; with --no-loadscope-reorder xdist keeps this order.
 SPREAD = {"tests/e2e/test_readme.py::test_readme_bash_block_runs"}
-SLOWEST_FIRST = [  # seconds a unit took on its worker (`pytest -v`, both workers busy; rough: runs vary 2x)
-    "tests/e2e/test_engine_parity.py",  # 100 (its HF reference included)
-    "tests/core/engine/test_tensor_parallel.py",  # 100
-    "tests/models/test_qwen3_mistral_phi3.py",  # 85
-    "tests/core/engine/test_spec_decode.py",  # 85 (constrained requests on both grammar backends)
-    "tests/e2e/test_moe_engine.py",  # 70
-    "tests/e2e/test_nodes.py",  # 70: two-node launches
-    "tests/e2e/test_readme.py::test_readme_bash_block_runs[paged-15]",  # 37, the lab block (ids count the blocks: renumber when one is added above it)
-    "tests/e2e/test_readme.py",  # 65: the Python blocks and the inline commands
-    "tests/core/server/test_server.py",  # 65
-    "tests/core/engine/test_pooling.py",  # 65 (alone: 88 with another worker's suite running)
-    "tests/core/server/test_server_dp.py",  # 60
-    "tests/core/server/test_bad_input.py",  # 57
-    "tests/core/server/test_structured.py",  # 45
-    "tests/core/server/test_embeddings_server.py",  # 45
-    "tests/core/server/test_prompt_logprobs_server.py",  # 35
-    "tests/core/server/test_classify_server.py",  # 25
-    "tests/e2e/test_lora.py",  # 30
-    "tests/core/server/test_lora_server.py",  # 25
-    "tests/e2e/test_plugin_contracts.py",  # 40
-    "tests/core/test_structured_output.py",  # 40
-    "tests/core/engine/test_kv_cache_stateful.py",  # 38
-    "tests/e2e/test_readme_plugins.py",  # 37
-    "tests/core/server/test_supervision.py",  # 26
-    "tests/models/test_gemma.py",  # 26
-    "tests/e2e/test_readme.py::test_readme_bash_block_runs",  # 8-21 each, the other bash blocks
-    "tests/core/loading/test_gguf.py",  # 20
-    "tests/core/frontend/test_llm.py",  # 20
-    "tests/plugins/test_quantization.py",  # 18
-    "tests/e2e/test_gpt2_plugin.py",  # 17
-    "tests/core/engine/test_prompt_logprobs.py",  # 17
-    "tests/core/engine/test_classification_head.py",  # 17
+SLOWEST_FIRST = [  # seconds a unit took on its worker (`pytest --durations=0`, both workers busy; rough: runs vary 2x)
+    "tests/core/engine/test_spec_decode.py",  # 126 (constrained requests on both grammar backends)
+    "tests/e2e/test_nodes.py",  # 86: two-node launches
+    "tests/e2e/test_readme.py",  # 79: the Python blocks and the inline commands
+    "tests/core/engine/test_tensor_parallel.py",  # 57
+    "tests/core/server/test_server.py",  # 49
+    "tests/e2e/test_plugin_contracts.py",  # 46
+    "tests/e2e/test_engine_parity.py",  # 44 (its HF reference included)
+    "tests/core/engine/test_kv_cache_stateful.py",  # 42
+    "tests/core/server/test_structured.py",  # 42
+    "tests/models/test_qwen3_mistral_phi3.py",  # 40
+    "tests/core/server/test_server_dp.py",  # 40
+    "tests/e2e/test_readme_plugins.py",  # 39
+    "tests/e2e/test_readme.py::test_readme_bash_block_runs[paged-15]",  # 36, the lab block (ids count the blocks: renumber when one is added above it)
+    "tests/e2e/test_moe_engine.py",  # 35
+    "tests/core/server/test_bad_input.py",  # 34
+    "tests/core/test_structured_output.py",  # 24
+    "tests/core/server/test_reasoning.py",  # 23
+    "tests/models/test_gemma.py",  # 22
+    "tests/core/loading/test_gguf.py",  # 21
+    "tests/core/engine/test_pooling.py",  # 20
     "tests/core/server/test_spec_decode_server.py",  # 16
-    "tests/core/test_registry.py",  # 15
-    "tests/core/engine/test_compiled_step.py",  # 15
+    "tests/e2e/test_gpt2_plugin.py",  # 16
+    "tests/core/server/test_embeddings_server.py",  # 16
+    "tests/core/server/test_classify_server.py",  # 16
+    "tests/core/engine/test_spec_decode_distribution.py",  # 15
+    "tests/core/lab/test_lab.py",  # 15
+    "tests/e2e/test_lora.py",  # 15
+    "tests/core/frontend/test_llm.py",  # 15
+    "tests/core/test_registry.py",  # 14
     "tests/backends/test_triton_attention.py",  # 14
-    "tests/core/lab/test_lab.py",  # 14
-    "tests/e2e/test_policy_server.py",  # 14
-    "tests/core/server/test_reasoning.py",  # 13
-    "tests/core/engine/test_spec_decode_distribution.py",  # 12
-    "tests/core/frontend/test_tools.py",  # 11
-    "tests/e2e/test_gguf_quantized.py",  # 11
-    "tests/test_suite_setup.py",  # 10
-    "tests/models/test_cpu_kernels.py",  # 9
-    "tests/core/loading/test_config_snapshot.py",  # 9
+    "tests/e2e/test_readme.py::test_readme_bash_block_runs",  # up to 14 each, the other bash blocks
+    "tests/core/server/test_prompt_logprobs_server.py",  # 14
+    "tests/core/server/test_lora_server.py",  # 13
+    "tests/plugins/test_quantization.py",  # 12
+    "tests/core/engine/test_compiled_step.py",  # 12 (36 with a cold inductor cache)
+    "tests/core/server/test_supervision.py",  # 11
+    "tests/core/engine/test_prompt_logprobs.py",  # 9
+    "tests/e2e/test_policy_server.py",  # 8
+    "tests/core/engine/test_classification_head.py",  # 8
+    "tests/core/frontend/test_tools.py",  # 7
+    "tests/core/loading/test_config_snapshot.py",  # 7
+    "tests/core/engine/test_sampler.py",  # 7
+    "tests/core/test_config.py",  # 6
 ]
 
 

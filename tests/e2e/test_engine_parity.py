@@ -43,8 +43,8 @@ def test_greedy_ids_equal_hf(case, default_model_dir, hf_greedy):
     priority = [i % 3 for i in range(len(prompts))] if case == "priority" else None
     outputs = llm.generate(prompts, params, priority=priority, use_tqdm=False)
     for prompt, output in zip(prompts, outputs):
-        expected = hf_greedy(tokenizer(prompt)["input_ids"], MAX_NEW)
-        assert output.outputs[0].token_ids == expected, prompt
+        got = output.outputs[0].token_ids
+        assert got == hf_greedy(tokenizer(prompt)["input_ids"], MAX_NEW, candidate=got), prompt
     stats = llm.engine.core.snapshot_stats()
     if case == "preempted-and-recomputed":
         assert stats.num_preemptions > 0
@@ -54,3 +54,20 @@ def test_greedy_ids_equal_hf(case, default_model_dir, hf_greedy):
         assert llm.engine.kv_cache_manager.prefix_cache_stats.hits == 0
     # Every block is back once everything finished.
     assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.kv_cache_manager.num_blocks
+
+
+def test_the_teacher_forced_reference_is_what_hf_generate_gives(default_model_dir, hf_greedy):
+    """The reference above checks a candidate in one forward (conftest ``hf_greedy``): on HF's own
+    greedy tokens it gives them back; a candidate wrong at position 3 gets HF's tokens up to and
+    including that position; a short right one is extended by generation."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    for prompt in (PROMPTS[4], PROMPTS[6]):
+        ids = tokenizer(prompt)["input_ids"]
+        generated = hf_greedy(ids, 13)[:12]  # (each max_new_tokens is its own cache entry)
+        assert len(generated) == 12
+        assert hf_greedy(ids, 12, candidate=generated) == generated
+        wrong = generated[:3] + [(generated[3] + 1) % len(tokenizer)] + generated[4:]
+        assert hf_greedy(ids, 11, candidate=wrong) == generated[:4]
+        assert hf_greedy(ids, 10, candidate=generated[:5]) == generated[:10]

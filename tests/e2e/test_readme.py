@@ -63,7 +63,7 @@ FAST = [  # (command prefix, flags appended to keep the test fast); the first ma
     ("paged run", "--max-tokens 8"),
     ("paged bench serve", "--num-prompts 4 --input-len 16 --output-len 4 --json"),
     ("paged lab calibrate", "--scale 0.02 --max-num-seqs 2 --max-model-len 128 --no-validate"),
-    ("paged lab replay trace.jsonl --policy", "--max-requests 4"),
+    ("paged lab replay trace.jsonl --policy", "--max-requests 4 --no-plots"),  # the simulated replay above draws them
     ("paged lab replay t.jsonl", "--simulate const:0.01 --num-kv-blocks 1024 --no-plots"),  # on the engine: minutes
     ("paged lab replay", "--max-requests 40 --max-model-len 2048"),  # beyond the calibration above: it warns
 ]

@@ -365,6 +365,30 @@ def test_a_built_library_is_loaded_without_building(tmp_path):
     assert os.stat(path).st_mtime_ns == before
 
 
+def test_the_build_root_is_torchs_and_loading_a_build_does_not_import_the_builder(tmp_path, monkeypatch):
+    """``build_root`` is ``cpp_extension.get_default_build_root()`` (or $TORCH_EXTENSIONS_DIR),
+    found without importing ``cpp_extension``: a process that loads a built library imports
+    neither it nor setuptools."""
+    import os
+    import subprocess
+    import sys
+
+    from torch.utils import cpp_extension
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    assert native.build_root() == cpp_extension.get_default_build_root()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert native.library_path("x") == os.path.join(str(tmp_path), "x", "x.so")
+    if cpu_layer_ops.load() is None:
+        pytest.skip("the CPU layer kernels are not built here")
+    code = ("import sys\nfrom paged.models import cpu_layer_ops\nassert cpu_layer_ops.load() is not None\n"
+            "print(sorted(m for m in ('torch.utils.cpp_extension', 'setuptools') if m in sys.modules))")
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_a_library_that_does_not_load_is_built_again(tmp_path, monkeypatch, caplog):
     import os
 

@@ -219,7 +219,7 @@ def test_responses_api_runs_as_the_equivalent_chat(server, client, model_name):
     from concurrent.futures import ThreadPoolExecutor
 
     def chat(messages, **kw):
-        return client.chat.completions.create(model=model_name, messages=messages, temperature=0, max_tokens=64,
+        return client.chat.completions.create(model=model_name, messages=messages, temperature=0, max_tokens=32,
                                               **kw).choices[0]
 
     def stream(**kw):
@@ -234,9 +234,9 @@ def test_responses_api_runs_as_the_equivalent_chat(server, client, model_name):
     with ThreadPoolExecutor(6) as pool:
         # First round: every request that needs no earlier answer.
         f_r1 = pool.submit(client.responses.create, model=model_name, input=q1, instructions=system,
-                           max_output_tokens=64, temperature=0)
+                           max_output_tokens=32, temperature=0)
         f_c1 = pool.submit(chat, [{"role": "system", "content": system}, {"role": "user", "content": q1}])
-        f_events = pool.submit(stream, model=model_name, input=q1, instructions=system, max_output_tokens=64,
+        f_events = pool.submit(stream, model=model_name, input=q1, instructions=system, max_output_tokens=32,
                                temperature=0)
         f_r3 = pool.submit(client.responses.create, model=model_name, input="What is the weather in Paris?",
                            tools=tools, tool_choice={"type": "function", "name": "get_weather"},
@@ -256,7 +256,7 @@ def test_responses_api_runs_as_the_equivalent_chat(server, client, model_name):
         assert call.type == "function_call" and call.name == "get_weather" and set(json.loads(call.arguments)) == {"city"}
         # Second round: the requests that continue r1 and r3, with their chat references.
         f_r2 = pool.submit(client.responses.create, model=model_name, input=q2, previous_response_id=r1.id,
-                           max_output_tokens=64, temperature=0)  # instructions are not carried over, as OpenAI does it
+                           max_output_tokens=32, temperature=0)  # instructions are not carried over, as OpenAI does it
         f_c2 = pool.submit(chat, [{"role": "user", "content": q1}, {"role": "assistant", "content": a1},
                                   {"role": "user", "content": q2}])
         f_r4 = pool.submit(client.responses.create, model=model_name, previous_response_id=r3.id, tools=tools,
