@@ -39,36 +39,26 @@ def hf_greedy(default_model_dir):
     eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     cache = {}
 
-    def run_generate(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-        with torch.inference_mode():
-            out = model.generate(
-                torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
-            )
-        return out[0, len(prompt_ids):].tolist()
-
     def generate(prompt_ids: list[int], max_new_tokens: int, candidate: list[int] | None = None) -> list[int]:
         key = (tuple(prompt_ids), max_new_tokens)
         if key in cache:
             return cache[key]
-        if not candidate:
-            cache[key] = run_generate(prompt_ids, max_new_tokens)
-            return cache[key]
-        candidate = list(candidate[:max_new_tokens])
-        with torch.inference_mode():
-            logits = model(torch.tensor([prompt_ids + candidate])).logits[0]
-        # hf_next[i]: HF's greedy token after the prompt and candidate[:i]
-        hf_next = logits[len(prompt_ids) - 1:].argmax(-1).tolist()
         expected: list[int] = []
-        for i in range(max_new_tokens):
-            token = hf_next[i]
-            expected.append(token)
-            if token in eos_ids or token != candidate[i]:
-                return expected  # EOS, or HF's first token unlike the candidate's
-            if i + 1 == len(candidate) and len(expected) < max_new_tokens:
-                rest = run_generate(prompt_ids + expected, max_new_tokens - len(expected))
-                expected += rest
-                break
+        if candidate:
+            candidate = list(candidate[:max_new_tokens])
+            with torch.inference_mode():
+                logits = model(torch.tensor([prompt_ids + candidate[:-1]])).logits[0]
+            # HF's greedy token after the prompt and candidate[:i], for each i
+            for token, hf_token in zip(candidate, logits[len(prompt_ids) - 1:].argmax(-1).tolist()):
+                expected.append(hf_token)
+                if hf_token in eos_ids or hf_token != token:
+                    return expected  # HF's continuation ends here, or differs from the candidate here
+        if len(expected) < max_new_tokens:  # no candidate, or a confirmed one that stopped early
+            with torch.inference_mode():
+                ids = prompt_ids + expected
+                out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                     max_new_tokens=max_new_tokens - len(expected), do_sample=False, pad_token_id=0)
+            expected += out[0, len(ids):].tolist()
         cache[key] = expected
         return expected
 
