@@ -5,10 +5,12 @@ int4 kernel (``paged.plugins.quant_kernels``), side by side.
 A decode step's weights of the default model's shapes (30 layers x qkv, o, gate_up, down; random
 blocks of each type), called in the model's order so that they come from memory as in a step;
 the candidates alternate, one whole pass each per round. Prints ms per pass for each row count,
-with the GGUF kernel's three paths (``rows-i8``: the few-rows path with int8 activations, vpdpbusd) (K-quants on shapes widened to 768 inputs: 576 is not a
-multiple of their 256-input super-blocks) (``rows``: vdpbf16ps on exact codes, ``many``: dequantized bf16 panels on
-AMX tiles, or without AMX in register blocks of vdpbf16ps), and the row count from which ``many`` wins (what
-``amx_min_rows``, or ``panel_min_rows`` without AMX, should be).
+with the GGUF kernel's paths (K-quants on shapes widened to 768 inputs: 576 is not a multiple of
+their 256-input super-blocks): ``rows``, vdpbf16ps on exact codes; ``rows-i8``, the few-rows path
+with int8 activations (vpdpbusd); ``many``, dequantized bf16 panels on AMX tiles, or without AMX in
+register blocks of vdpbf16ps; ``many-i8``, the panels with ``int8_panels`` (int8 codes and
+activations, vpdpbusd; on AMX CPUs the same as ``many``). The row count from which ``many`` wins is
+what ``amx_min_rows``, or ``panel_min_rows`` without AMX, should be.
 
     python benchmarks/gguf_gemm.py
     python benchmarks/gguf_gemm.py --kinds q4_k,q6_k --rows 1,4,16,64,256 --rounds 7
@@ -66,9 +68,10 @@ def main(argv: list[str] | None = None) -> None:
         held = sum(p.numel() for p, _ in weights["gguf"])
         print(f"\n{kind}: shapes {list(shapes.values())}, {held / 2**20:.1f} MiB held by the GGUF layout")
         candidates = {
-            "rows": lambda x, i: kernels.gemm(x, *weights["gguf"][i][:1], *weights["gguf"][i][1], 0, False),
-            "rows-i8": lambda x, i: kernels.gemm(x, *weights["gguf"][i][:1], *weights["gguf"][i][1], 0, True),
-            "many": lambda x, i: kernels.gemm(x, *weights["gguf"][i][:1], *weights["gguf"][i][1], 1, False),
+            "rows": lambda x, i: kernels.gemm(x, *weights["gguf"][i][:1], *weights["gguf"][i][1], 0, False, False),
+            "rows-i8": lambda x, i: kernels.gemm(x, *weights["gguf"][i][:1], *weights["gguf"][i][1], 0, True, False),
+            "many": lambda x, i: kernels.gemm(x, *weights["gguf"][i][:1], *weights["gguf"][i][1], 1, False, False),
+            "many-i8": lambda x, i: kernels.gemm(x, *weights["gguf"][i][:1], *weights["gguf"][i][1], 1, False, True),
             "dense": lambda x, i: torch.ops.mkldnn._linear_pointwise(x, weights["dense"][i], None, "none", [], ""),
         }
         if "int4" in weights:

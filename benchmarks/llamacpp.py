@@ -10,7 +10,8 @@ shared libraries are found through ``LD_LIBRARY_PATH``, set here to the same fol
 2. batched: ``llama-batched-bench -npp 128 -ntg 64 -npl 1,4,16,64`` (B requests of 128 random
    prompt tokens + 64 new tokens, all at once; total time) against paged on the same workload.
 
-Each paged variant (``--variants DTYPE:QUANTIZATION,...``) runs in its own process. Ratios > 1
+Each paged variant (``--variants DTYPE:QUANTIZATION[:KEY=VALUE+...],...``, e.g.
+``bfloat16:gguf:int8_panels=true``) runs in its own process. Ratios > 1
 mean paged is faster. Run on a quiet machine; ``--quick`` is a smoke test at tiny sizes.
 
     python benchmarks/llamacpp.py                     # the issue's tables (~10 min on 2 cores)
@@ -66,6 +67,13 @@ def llamacpp_batched(tools: Path, gguf: str, args) -> dict[int, float]:
 
 
 # --- paged phases (own process each) ---------------------------------------------------------
+def parse_variant(variant: str) -> tuple[str, str, dict[str, str]]:
+    """``DTYPE:QUANTIZATION[:KEY=VALUE+KEY=VALUE...]`` (options of the quantization method)."""
+    dtype, quantization, *rest = variant.split(":", 2)
+    options = dict(kv.split("=", 1) for kv in rest[0].split("+")) if rest else {}
+    return dtype, quantization, options
+
+
 def phase_paged(args) -> dict:
     import numpy as np
     import torch
@@ -73,9 +81,10 @@ def phase_paged(args) -> dict:
     from paged import LLM, SamplingParams
 
     torch.set_num_threads(args.threads)
-    dtype, quantization = args.variant.split(":")
+    dtype, quantization, options = parse_variant(args.variant)
     llm = LLM(args.gguf, device="cpu", dtype=dtype, quantization=quantization, attention=args.attention,
-              max_num_seqs=max(args.batches), enable_prefix_caching=False, max_num_batched_tokens=2048)
+              quantization_options=options, max_num_seqs=max(args.batches), enable_prefix_caching=False,
+              max_num_batched_tokens=2048)
     rng = np.random.default_rng(0)
     warm = rng.integers(1000, 20000, 16).tolist()
     llm.generate([warm] * 2, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -130,7 +139,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llamacpp-dir", default=None, help="folder with llama-bench and llama-batched-bench")
     parser.add_argument("--gguf", default=None, help="default: the embedded SmolLM2-135M-Instruct Q4_1")
-    parser.add_argument("--variants", default="bfloat16:none,bfloat16:auto", help="paged DTYPE:QUANTIZATION list")
+    parser.add_argument("--variants", default="bfloat16:none,bfloat16:auto",
+                        help="paged DTYPE:QUANTIZATION[:KEY=VALUE+...] list (options of the quantization method)")
     add_workload_args(parser)
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--phase", action="store_true", help=argparse.SUPPRESS)

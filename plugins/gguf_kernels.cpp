@@ -148,7 +148,8 @@ struct Ctx {
   const float* xs;     // per group of x, the sum of x [M, K / group]
   uint16_t* out;       // [M, N] bf16 bits
   const int8_t* xq;    // int8 activations: x [M, K] quantized per 32 inputs (or null)
-  const float* xql;    // their scales, lane-expanded per 64-input chunk [M, K / 64, 16]
+  const float* xql;    // their scales, lane-expanded per 64-input chunk [M, K / 64, 16] (few rows)
+  const float* dx;     // their scales per 32 inputs [M, K / 32] (int8 panels)
 };
 
 constexpr int AND_OR = 0xEA;  // (A & B) | C as a ternary-logic table
@@ -240,6 +241,60 @@ void tile(const uint8_t* w, const Ctx& ctx, int64_t n, int64_t m0, float* scratc
   }
 }
 
+// The next panel's 32 weight rows (one contiguous run of bytes) toward the cache while this one
+// is prepared and multiplied: 16 rows read at a stride are too many streams for the hardware
+// prefetchers to follow.
+inline void prefetch_panel(const uint8_t* w, int64_t stride, int64_t p, int64_t p1) {
+  if (p + 1 >= p1) return;
+  const char* next = reinterpret_cast<const char*>(w + (p + 1) * PANEL * stride);
+  for (int64_t b = 0; b < PANEL * stride; b += 64) _mm_prefetch(next + b, _MM_HINT_T1);
+}
+
+// 16 vectors of 16 dwords, transposed in place (rows[i][j] <-> rows[j][i]).
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8)
+    for (int j = 0; j < 4; ++j) t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88),
+                               t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
+// A panel's (32 weight rows from w) scales and offsets per group as vectors over the rows:
+// scale / offset [K / G][2 halves][16 rows] floats. scratch: 32 x K / G floats, rounded up to 16 groups.
+template <int G>
+void panel_scales(const uint8_t* w, int64_t stride, int64_t K, const Format& f, float* scale, float* offset,
+                  float* scratch) {
+  const int64_t groups = K / G, padded = (groups + 15) / 16 * 16;
+  for (int half = 0; half < 2; ++half) {
+    float* row_scale = scratch;  // [16 rows][padded], then the offsets alike: transposed 16 x 16 below
+    float* row_offset = scratch + 16 * padded;
+    for (int r = 0; r < 16; ++r) row_scales(w + (16 * half + r) * stride, K, f, row_scale + r * padded, row_offset + r * padded);
+    for (int which = 0; which < 2; ++which) {
+      const float* src = which == 0 ? row_scale : row_offset;
+      float* dst = which == 0 ? scale : offset;
+      for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+        __m512i v[16];
+        for (int r = 0; r < 16; ++r) v[r] = _mm512_castps_si512(_mm512_loadu_ps(src + r * padded + g0));
+        transpose16(v);  // v[j]: group g0 + j of the 16 rows
+        for (int j = 0; j < 16 && g0 + j < groups; ++j) _mm512_storeu_si512(dst + (2 * (g0 + j) + half) * 16, v[j]);
+      }
+    }
+  }
+}
+
 #ifdef __AVX512VNNI__
 // One 64-input chunk's codes as 64 bytes, input i in byte i.
 template <int BITS>
@@ -300,6 +355,101 @@ void tile_int8(const uint8_t* w, const Ctx& ctx, int64_t n, int64_t m0, float* s
     }
     for (int m = 0; m < MT; ++m) ctx.out[(m0 + m) * ctx.N + n + r] = f_to_bf16(_mm512_reduce_add_ps(acc[r][m]));
   }
+}
+
+// The many-rows path with int8 activations (AVX-512 VNNI, no AMX): 32 weight rows' codes as
+// bytes, transposed so that one vector holds 4 consecutive inputs of 16 rows (the layout of
+// AMX's int8 B tiles), with panel_scales()'s vectors. Nothing is rounded: the codes are the
+// file's. The codes of a panel are [K / 4][2 halves][16 rows] uint32.
+template <int BITS, int G>
+void prepare_int8_panel(const uint8_t* w, int64_t stride, int64_t K, const Format& f, uint32_t* codes, float* scale,
+                        float* offset, float* scratch) {
+  panel_scales<G>(w, stride, K, f, scale, offset, scratch);
+  const int64_t cb = f.chunk_bytes();
+  for (int half = 0; half < 2; ++half) {
+    const uint8_t* rows = w + 16 * half * stride;
+    for (int64_t c = 0; c < K / CHUNK; ++c) {
+      __m512i v[16];  // v[r]: row r's 64 codes, dword j = inputs 4j .. 4j + 3
+      for (int r = 0; r < 16; ++r) v[r] = decode_bytes<BITS>(rows + r * stride + cb * c);
+      transpose16(v);  // v[j]: inputs 4j .. 4j + 3 of the 16 rows
+      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(codes + ((16 * c + j) * 2 + half) * 16, v[j]);
+    }
+  }
+}
+
+// MR x rows from m0 times a prepared panel (weight rows n0 .. n0 + 31): per group, vpdpbusd of
+// the panel's two vectors (16 rows x 4 codes each) with a broadcast of 4 int8 x into int32
+// lanes, then in fp32 times the rows' group scale and the x block's scale, plus the rows' group
+// offset times the sum of x (bf16, not quantized) over the group.
+template <int G, int MR>
+void int8_panel_rows(const uint32_t* codes, const float* scale, const float* offset, const Ctx& ctx, int64_t m0,
+                     int64_t n0) {
+  const int64_t K = ctx.K, groups = K / G, blocks = K / 32;
+  const int8_t* xq = ctx.xq + m0 * K;
+  // the sums over groups in memory (touched once a group), the registers for the group's dot products
+  alignas(64) float acc[MR][2][16] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i dot[MR][2];
+    for (int m = 0; m < MR; ++m) dot[m][0] = dot[m][1] = _mm512_setzero_si512();
+    const uint32_t* gc = codes + 32 * (G / 4) * g;
+    const int8_t* gx = xq + G * g;
+#pragma GCC unroll 8
+    for (int q = 0; q < G / 4; ++q) {  // unrolled: the accumulators stay in registers
+      const __m512i w0 = _mm512_loadu_si512(gc + 32 * q), w1 = _mm512_loadu_si512(gc + 32 * q + 16);
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) {
+        int32_t four;
+        std::memcpy(&four, gx + m * K + 4 * q, 4);
+        const __m512i xb = _mm512_set1_epi32(four);
+        dot[m][0] = _mm512_dpbusd_epi32(dot[m][0], w0, xb);
+        dot[m][1] = _mm512_dpbusd_epi32(dot[m][1], w1, xb);
+      }
+    }
+    const __m512 s0 = _mm512_loadu_ps(scale + 32 * g), s1 = _mm512_loadu_ps(scale + 32 * g + 16);
+    const __m512 o0 = _mm512_loadu_ps(offset + 32 * g), o1 = _mm512_loadu_ps(offset + 32 * g + 16);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 d = _mm512_set1_ps(ctx.dx[(m0 + m) * blocks + g * G / 32]);
+      const __m512 xsum = _mm512_set1_ps(ctx.xs[(m0 + m) * groups + g]);
+      _mm512_store_ps(acc[m][0], _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][0]), _mm512_mul_ps(s0, d),
+                                                 _mm512_fmadd_ps(o0, xsum, _mm512_load_ps(acc[m][0]))));
+      _mm512_store_ps(acc[m][1], _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][1]), _mm512_mul_ps(s1, d),
+                                                 _mm512_fmadd_ps(o1, xsum, _mm512_load_ps(acc[m][1]))));
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int h = 0; h < 2; ++h)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ctx.out + (m0 + m) * ctx.N + n0 + 16 * h),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(acc[m][h])));
+}
+
+constexpr int INT8_PANEL_MR = 8;  // x rows per register block: 16 int32 accumulators of a group's dot products
+
+template <int BITS, int G>
+void gemm_panel_int8(const Ctx& ctx, const uint8_t* w, int64_t M) {
+  const int64_t K = ctx.K, N = ctx.N, stride = ctx.f.row_bytes(K), groups = K / G;
+  at::parallel_for(0, N / PANEL, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<uint32_t> codes(PANEL * K / 4);
+    std::vector<float> scale(PANEL * groups), offset(PANEL * groups), scratch(2 * 16 * ((groups + 15) / 16 * 16));
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * PANEL;
+      prefetch_panel(w, stride, p, p1);
+      prepare_int8_panel<BITS, G>(w + n0 * stride, stride, K, ctx.f, codes.data(), scale.data(), offset.data(),
+                                  scratch.data());
+      int64_t m0 = 0;
+      for (; m0 + INT8_PANEL_MR <= M; m0 += INT8_PANEL_MR)
+        int8_panel_rows<G, INT8_PANEL_MR>(codes.data(), scale.data(), offset.data(), ctx, m0, n0);
+      switch (M - m0) {
+        case 7: int8_panel_rows<G, 7>(codes.data(), scale.data(), offset.data(), ctx, m0, n0); break;
+        case 6: int8_panel_rows<G, 6>(codes.data(), scale.data(), offset.data(), ctx, m0, n0); break;
+        case 5: int8_panel_rows<G, 5>(codes.data(), scale.data(), offset.data(), ctx, m0, n0); break;
+        case 4: int8_panel_rows<G, 4>(codes.data(), scale.data(), offset.data(), ctx, m0, n0); break;
+        case 3: int8_panel_rows<G, 3>(codes.data(), scale.data(), offset.data(), ctx, m0, n0); break;
+        case 2: int8_panel_rows<G, 2>(codes.data(), scale.data(), offset.data(), ctx, m0, n0); break;
+        case 1: int8_panel_rows<G, 1>(codes.data(), scale.data(), offset.data(), ctx, m0, n0); break;
+        default: break;
+      }
+    }
+  });
 }
 #endif  // __AVX512VNNI__
 
@@ -369,28 +519,6 @@ void dequantize_row(const uint8_t* row, int64_t K, const Format& f, uint16_t* ds
   }
 }
 
-// 16 vectors of 16 dwords, transposed in place (rows[i][j] <-> rows[j][i]).
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 16; i += 8)
-    for (int j = 0; j < 4; ++j) t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88),
-                               t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
-  for (int j = 0; j < 8; ++j) {
-    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
-    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
-  }
-}
-
 // 16 weight rows from row n, dequantized to bf16 in AMX's B layout: per 32 inputs (k0) a tile
 // of 16 rows (input pairs) x 16 columns (weight rows) x 2 bf16, at dst + (k0 / 32) * 2 tiles.
 template <int BITS, int G>
@@ -446,6 +574,7 @@ void gemm_panel(const Ctx& ctx, const uint8_t* w, int64_t M) {
     std::vector<float> scratch(2 * (K / G));
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * PANEL;
+      prefetch_panel(w, stride, p, p1);
       for (int half = 0; half < 2; ++half)
         dequantize_b_tiles<BITS, G>(w + (n0 + 16 * half) * stride, stride, K, ctx.f, panel.data() + 256 * half, 2,
                                     scratch.data(), rows.data());
@@ -496,6 +625,7 @@ void gemm_amx(const Ctx& ctx, const uint8_t* w, int64_t M) {
     alignas(64) float c[16 * 16];
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * PANEL;
+      prefetch_panel(w, stride, p, p1);
       for (int half = 0; half < 2; ++half)
         dequantize_b_tiles<BITS, G>(w + (n0 + 16 * half) * stride, stride, K, ctx.f, panel.data() + 256 * half, 2,
                                     scratch.data(), rows.data());
@@ -543,6 +673,9 @@ void gemm_format(const Ctx& ctx, const uint8_t* w, int64_t M, bool many) {
 #ifdef PAGED_GGUF_AMX
     if (amx_available()) return gemm_amx<BITS, G>(ctx, w, M);
 #endif
+#ifdef __AVX512VNNI__
+    if (ctx.dx != nullptr) return gemm_panel_int8<BITS, G>(ctx, w, M);
+#endif
     return gemm_panel<BITS, G>(ctx, w, M);
   }
   gemm_rows<BITS, G>(ctx, w, M);
@@ -578,33 +711,27 @@ void check(const at::Tensor& packed, int64_t K, const Format& f, const char* op)
 // x [M, K] bfloat16 times packed [N, row_bytes] -> [M, N] bfloat16; from many_min_rows rows on, AMX
 // tiles (gemm_amx) or, without AMX, AVX-512 panels (gemm_panel)
 #ifdef PAGED_GGUF_AVX512
-// x [M, K] bf16 -> int8 per 32 inputs (scale = max |x| / 127, round to nearest), the scales
-// lane-expanded per 64-input chunk: lanes 0-7 the chunk's first block, 8-15 its second.
-void quantize_x(const uint16_t* xb, int64_t M, int64_t K, int8_t* xq, float* xql) {
+// x [M, K] bf16 -> int8 per 32 inputs (scale dx = max |x| / 127, round to nearest), dx [M, K / 32].
+void quantize_x(const uint16_t* xb, int64_t M, int64_t K, int8_t* xq, float* dx) {
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t c = 0; c < K / CHUNK; ++c) {
-      float d[2];
-      for (int h = 0; h < 2; ++h) {
-        const uint16_t* p = xb + m * K + CHUNK * c + 32 * h;
-        __m512 v[2];
-        for (int q = 0; q < 2; ++q)
-          v[q] = _mm512_castsi512_ps(_mm512_slli_epi32(
-              _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * q))), 16));
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
-        d[h] = amax / 127.f;
-        const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-        for (int q = 0; q < 2; ++q)
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + m * K + CHUNK * c + 32 * h + 16 * q),
-                           _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v[q], inv))));
-      }
-      _mm512_storeu_ps(xql + (m * (K / CHUNK) + c) * 16,
-                       _mm512_mask_blend_ps(__mmask16(0xff00), _mm512_set1_ps(d[0]), _mm512_set1_ps(d[1])));
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const uint16_t* p = xb + m * K + 32 * b;
+      __m512 v[2];
+      for (int q = 0; q < 2; ++q)
+        v[q] = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * q))), 16));
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+      dx[m * (K / 32) + b] = amax / 127.f;
+      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      for (int q = 0; q < 2; ++q)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + m * K + 32 * b + 16 * q),
+                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v[q], inv))));
     }
 }
 #endif
 
 at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t bits, int64_t group, int64_t super_block,
-                int64_t many_min_rows, bool int8_activations) {
+                int64_t many_min_rows, bool int8_activations, bool int8_panels) {
   const Format f = format_of(bits, group, super_block);
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && x_in.device().is_cpu(),
               "gguf_gemm: x must be [M, K] bfloat16 on the CPU, got ", x_in.sizes(), " ", x_in.scalar_type());
@@ -618,24 +745,36 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t bits, 
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
   // from many_min_rows rows on (0: never): AMX tiles where the CPU has them, else the AVX-512 panels
   const bool many = many_min_rows > 0 && M >= many_min_rows && N % PANEL == 0;
-  std::vector<float> xs(many ? 0 : M * groups);  // per group of x, its sum (the offset term's factor)
-  for (int64_t m = 0; m < (many ? 0 : M); ++m)
+  // int8 activations: few rows with int8_activations, many rows (the panels, not AMX) with int8_panels
+  bool int8 = false, panels8 = false;
+#ifdef __AVX512VNNI__
+  panels8 = many && int8_panels && !amx_available();
+  int8 = panels8 || (!many && int8_activations);
+#endif
+  // per group of x, its sum in fp32: the offsets' factor (not used where many rows dequantize the weights);
+  // few rows sum in order (as always: a decode step's results stay bit for bit), the int8 panels by vectors
+  std::vector<float> xs(many && !panels8 ? 0 : M * groups);
+  for (int64_t m = 0; m < M && !many; ++m)
     for (int64_t g = 0; g < groups; ++g) {
       float s = 0.f;
       for (int64_t j = 0; j < f.group; ++j) s += bf16_to_f(xb[m * K + g * f.group + j]);
       xs[m * groups + g] = s;
     }
-  std::vector<int8_t> xq;
-  std::vector<float> xql;
-#ifdef __AVX512VNNI__
-  if (int8_activations && !many) {
-    xq.resize(M * K);
-    xql.resize(M * (K / CHUNK) * 16);
-    quantize_x(xb, M, K, xq.data(), xql.data());
-  }
-#endif
-  const Ctx ctx{K, N, f, xb, xs.data(), reinterpret_cast<uint16_t*>(out.data_ptr()), xq.empty() ? nullptr : xq.data(),
-                xql.data()};
+  for (int64_t m = 0; m < M && panels8; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512 s = _mm512_setzero_ps();
+      for (int64_t j = 0; j < f.group; j += 16)
+        s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                 _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + m * K + g * f.group + j))), 16)));
+      xs[m * groups + g] = _mm512_reduce_add_ps(s);
+    }
+  std::vector<int8_t> xq(int8 ? M * K : 0);
+  std::vector<float> dx(int8 ? M * (K / 32) : 0), xql(int8 && !many ? M * (K / CHUNK) * 16 : 0);
+  if (int8) quantize_x(xb, M, K, xq.data(), dx.data());
+  for (int64_t i = 0; i < int64_t(xql.size()) / 16; ++i)  // few rows: lanes 0-7 a chunk's first block, 8-15 its second
+    for (int l = 0; l < 16; ++l) xql[16 * i + l] = dx[2 * i + l / 8];
+  const Ctx ctx{K, N, f, xb, xs.data(), reinterpret_cast<uint16_t*>(out.data_ptr()), int8 ? xq.data() : nullptr,
+                xql.data(), panels8 ? dx.data() : nullptr};
   const uint8_t* w = packed.data_ptr<uint8_t>();
   dispatch(f, [&](auto b, auto g) { gemm_format<decltype(b)::value, decltype(g)::value>(ctx, w, M, many); });
 #endif
@@ -680,7 +819,7 @@ bool kernels_int8_activations() {
 }  // namespace
 
 TORCH_LIBRARY(paged_gguf, m) {  // CPU kernels below; fakes in Python
-  m.def("gemm(Tensor x, Tensor packed, int bits, int group, int super_block, int many_min_rows, bool int8_activations) -> Tensor");
+  m.def("gemm(Tensor x, Tensor packed, int bits, int group, int super_block, int many_min_rows, bool int8_activations, bool int8_panels) -> Tensor");
   m.def("dequantize_rows(Tensor packed, Tensor ids, int K, int bits, int group, int super_block) -> Tensor");
 }
 

@@ -7,7 +7,8 @@ Each weight holds its codes and two-level scales as the file does (2- and 3-bit 
 run the exact ``vdpbf16ps`` kernel (or, with ``int8_activations``, x quantized to int8 per 32
 inputs and ``vpdpbusd``, as llama.cpp does: faster, less exact); from ``amx_min_rows`` rows on, CPUs with AMX dequantize 32 weight
 rows at a time into bfloat16 tiles, and from ``panel_min_rows`` rows on CPUs without AMX into
-bfloat16 panels for a register-blocked ``vdpbf16ps`` kernel. Without the kernels (no AVX-512 BF16) the weights keep
+bfloat16 panels for a register-blocked ``vdpbf16ps`` kernel (with ``int8_panels``, int8 codes and
+int8 activations for ``vpdpbusd``: faster, less exact). Without the kernels (no AVX-512 BF16) the weights keep
 their codes and scales as tensors and each call dequantizes with torch ops (correct, slow).
 """
 
@@ -40,6 +41,11 @@ class GGUFOptions(BaseModel):
         "and multiply with vpdpbusd (CPUs with AVX-512 VNNI): 1.2-1.5x faster decode, but it flips near-ties "
         "(the README's France question on the default model); false = exact products of the codes with bf16 x",
     )
+    int8_panels: bool = Field(
+        False, description="the many-rows path on CPUs without AMX (from panel_min_rows rows): x quantized to int8 "
+        "per 32 inputs and the panels' codes kept as bytes, multiplied with vpdpbusd (AVX-512 VNNI); false = bfloat16 "
+        "panels (the weights dequantized and rounded to bf16, vdpbf16ps)",
+    )
     kernel: bool = Field(True, description="paged's C++ kernels (AVX-512 BF16); false = torch ops (slow)")
 
 
@@ -59,6 +65,7 @@ class GGUFWeight:
         self.dtype = dtype
         self.kind = kind
         self.int8_activations = options.int8_activations
+        self.int8_panels = options.int8_panels
         self.kernels = gguf_kernels.load() if options.kernel else None
         # the kernel's many-rows path from this many rows on: AMX tiles where the CPU has them, else panels
         amx = self.kernels is not None and self.kernels.amx_available()
@@ -92,9 +99,11 @@ class GGUFWeight:
         if self.packed is not None:
             xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
             if torch.compiler.is_compiling():
-                out = gguf_kernels.gemm(xb, self.packed, self.fmt, self.many_min_rows, self.int8_activations)
+                out = gguf_kernels.gemm(xb, self.packed, self.fmt, self.many_min_rows, self.int8_activations,
+                                        self.int8_panels)
             else:
-                out = self.kernels.gemm(xb, self.packed, *self.fmt, self.many_min_rows, self.int8_activations)
+                out = self.kernels.gemm(xb, self.packed, *self.fmt, self.many_min_rows, self.int8_activations,
+                                        self.int8_panels)
             out = out.to(x.dtype)
         else:
             out = torch.nn.functional.linear(x, self.dequantize().to(x.dtype))

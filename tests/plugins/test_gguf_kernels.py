@@ -1,6 +1,6 @@
 """The GGUF kernels and the ``gguf`` method: every block type's products against a float64
 product with gguf's own dequantized weight, both kernel paths (few rows; many rows on AMX tiles
-or AVX-512 panels), the rows
+or AVX-512 panels), int8 activations against their arithmetic in float64, the rows
 of the embedding, the torch fallback, the packed-weight cache, and the memory held."""
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).abs().max() / ref.abs().max()).item()
 
 
+def _mean_relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).abs().mean() / ref.abs().mean()).item()
+
+
 @needs_kernels
 @pytest.mark.parametrize("kind", KINDS)
 def test_products_match_float64_with_gguf_weights(kind):
@@ -36,6 +40,7 @@ def test_products_match_float64_with_gguf_weights(kind):
     assert w.packed is not None
     int8 = quantize_gguf(exact.bfloat16(), scales, GGUFOptions(amx_min_rows=0, panel_min_rows=0, int8_activations=True))
     many = quantize_gguf(exact.bfloat16(), scales, GGUFOptions(amx_min_rows=1, panel_min_rows=1))
+    many8 = quantize_gguf(exact.bfloat16(), scales, GGUFOptions(amx_min_rows=1, panel_min_rows=1, int8_panels=True))
     gen = torch.Generator().manual_seed(1)
     for m in (1, 2, 3, 4, 5, 7, 9, 14, 33):  # the panels' row tails 1-7 and whole blocks of 8
         x = torch.randn(m, exact.shape[1], generator=gen).bfloat16()
@@ -46,9 +51,49 @@ def test_products_match_float64_with_gguf_weights(kind):
             assert _relative_error(int8.linear(x, None), ref) < 3e-2, m
         # the many-rows path: 32-row panels of bf16 weights on AMX tiles, or (without AMX) in vdpbf16ps blocks of 8 rows
         assert _relative_error(many.linear(x, None), ref) < 1e-2, m
+        # with int8_panels (CPUs with VNNI, not AMX): x rounded to int8 per 32 inputs, as the few-rows int8 path
+        assert _relative_error(many8.linear(x, None), ref) < (3e-2 if KERNELS.int8_activations_available() else 1e-2), m
     bias = torch.randn(exact.shape[0]).bfloat16()
     x = torch.randn(2, exact.shape[1], generator=gen).bfloat16()
     torch.testing.assert_close(w.linear(x, bias), w.linear(x, None) + bias)
+
+
+def _int8_reference(x: torch.Tensor, exact: torch.Tensor, scales) -> torch.Tensor:
+    """What int8 activations compute, in float64: x rounded per 32 inputs to ``q * d`` (``d = max|x| /
+    127``, ``q = round(x * 127 / max|x|)`` in float32, half to even, as the kernel's vcvtps2dq), times the
+    weight less its group offsets, plus the offsets times the unrounded x (the kernel sums x for them).
+    q8_0 is held as unsigned codes ``c + 128`` with the offset ``-128 d``."""
+    n, k = exact.shape
+    xf = x.float().view(x.shape[0], k // 32, 32)
+    amax = xf.abs().amax(-1, keepdim=True)
+    q = torch.round(xf * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax)))
+    x_hat = (q.double() * (amax / 127.0).double()).view(x.shape[0], k)
+    offset = -128.0 * scales.scale if scales.kind == "q8_0" else scales.offset
+    offsets = offset.double().repeat_interleave(scales.block, dim=1)  # [N, K]
+    return x_hat @ (exact.double() - offsets).T + x.double() @ offsets.T
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", KINDS)
+def test_int8_panels_compute_int8_activations_times_the_exact_codes(kind):
+    """The many-rows path with int8_panels (CPUs with AVX-512 VNNI and no AMX) against its arithmetic
+    done in float64, and the few-rows int8 path against the same: both quantize x per 32 inputs."""
+    if not KERNELS.int8_activations_available() or KERNELS.amx_available():
+        pytest.skip("int8 panels run on CPUs with AVX-512 VNNI and without AMX")
+    exact, scales = _weight(kind, seed=3)
+    panels = quantize_gguf(exact.bfloat16(), scales, GGUFOptions(panel_min_rows=1, int8_panels=True))
+    rows = quantize_gguf(exact.bfloat16(), scales, GGUFOptions(panel_min_rows=0, int8_activations=True))
+    gen = torch.Generator().manual_seed(5)
+    for m in (1, 3, 8, 13, 40):  # register blocks of 8 and every tail
+        x = torch.randn(m, exact.shape[1], generator=gen).bfloat16()
+        x[:, 7] *= 30  # an outlier: its blocks' other inputs round coarsely, as the reference does
+        ref = _int8_reference(x, exact, scales)
+        out = panels.linear(x, None)
+        # fp32 sums of exact int32 dot products, one bf16 rounding of each output (~0.0015 on average)
+        assert _relative_error(out, ref) < 5e-3 and _mean_relative_error(out, ref) < 2.5e-3, m
+        assert _relative_error(rows.linear(x, None), ref) < 5e-3, m
+        # the rounding of x is what the reference adds: against the unrounded x the outputs are off by 0.006-0.02
+        assert _mean_relative_error(out, x.double() @ exact.double().T) > 4e-3, m
 
 
 @needs_kernels
