@@ -272,30 +272,6 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-// A panel's (32 weight rows from w) scales and offsets per group as vectors over the rows:
-// scale / offset [K / G][2 halves][16 rows] floats. scratch: 32 x K / G floats, rounded up to 16 groups.
-template <int G>
-void panel_scales(const uint8_t* w, int64_t stride, int64_t K, const Format& f, float* scale, float* offset,
-                  float* scratch) {
-  const int64_t groups = K / G, padded = (groups + 15) / 16 * 16;
-  for (int half = 0; half < 2; ++half) {
-    float* row_scale = scratch;  // [16 rows][padded], then the offsets alike: transposed 16 x 16 below
-    float* row_offset = scratch + 16 * padded;
-    for (int r = 0; r < 16; ++r) row_scales(w + (16 * half + r) * stride, K, f, row_scale + r * padded, row_offset + r * padded);
-    for (int which = 0; which < 2; ++which) {
-      const float* src = which == 0 ? row_scale : row_offset;
-      float* dst = which == 0 ? scale : offset;
-      for (int64_t g0 = 0; g0 < groups; g0 += 16) {
-        __m512i v[16];
-        for (int r = 0; r < 16; ++r) v[r] = _mm512_castps_si512(_mm512_loadu_ps(src + r * padded + g0));
-        transpose16(v);  // v[j]: group g0 + j of the 16 rows
-        for (int j = 0; j < 16 && g0 + j < groups; ++j) _mm512_storeu_si512(dst + (2 * (g0 + j) + half) * 16, v[j]);
-      }
-    }
-  }
-}
-
-#ifdef __AVX512VNNI__
 // One 64-input chunk's codes as 64 bytes, input i in byte i.
 template <int BITS>
 inline __m512i decode_bytes(const uint8_t* c) {
@@ -315,6 +291,37 @@ inline __m512i decode_bytes(const uint8_t* c) {
   }
 }
 
+// 16 weight rows' (from w) scales and offsets per group as vectors over the rows: group g's at
+// scale / offset + g * group_stride, 16 floats (row r in lane r). scratch: 32 x K / G floats,
+// rounded up to 16 groups.
+template <int G>
+void scales_over_rows(const uint8_t* w, int64_t stride, int64_t K, const Format& f, float* scale, float* offset,
+                      int64_t group_stride, float* scratch) {
+  const int64_t groups = K / G, padded = (groups + 15) / 16 * 16;
+  float* row_scale = scratch;  // [16 rows][padded], then the offsets alike: transposed 16 x 16 below
+  float* row_offset = scratch + 16 * padded;
+  for (int r = 0; r < 16; ++r) row_scales(w + r * stride, K, f, row_scale + r * padded, row_offset + r * padded);
+  for (int which = 0; which < 2; ++which) {
+    const float* src = which == 0 ? row_scale : row_offset;
+    float* dst = which == 0 ? scale : offset;
+    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+      __m512i v[16];
+      for (int r = 0; r < 16; ++r) v[r] = _mm512_castps_si512(_mm512_loadu_ps(src + r * padded + g0));
+      transpose16(v);  // v[j]: group g0 + j of the 16 rows
+      for (int j = 0; j < 16 && g0 + j < groups; ++j) _mm512_storeu_si512(dst + (g0 + j) * group_stride, v[j]);
+    }
+  }
+}
+
+// A panel's (32 weight rows from w) scales and offsets: [K / G][2 halves][16 rows] floats.
+template <int G>
+void panel_scales(const uint8_t* w, int64_t stride, int64_t K, const Format& f, float* scale, float* offset,
+                  float* scratch) {
+  for (int half = 0; half < 2; ++half)
+    scales_over_rows<G>(w + 16 * half * stride, stride, K, f, scale + 16 * half, offset + 16 * half, 32, scratch);
+}
+
+#ifdef __AVX512VNNI__
 // The int8-activation variant of tile(): x quantized per 32 inputs (llama.cpp's Q8 activations),
 // vpdpbusd multiplies 64 codes (unsigned) by 64 int8 x per instruction into 16 int32 lanes (lane
 // l: inputs 4l .. 4l + 3), converted and scaled per lane by the weight group's scale times the x
@@ -519,18 +526,38 @@ void dequantize_row(const uint8_t* row, int64_t K, const Format& f, uint16_t* ds
   }
 }
 
-// 16 weight rows from row n, dequantized to bf16 in AMX's B layout: per 32 inputs (k0) a tile
-// of 16 rows (input pairs) x 16 columns (weight rows) x 2 bf16, at dst + (k0 / 32) * 2 tiles.
+// 16 weight rows from w, dequantized to bf16 in AMX's B layout: per 32 inputs (k0) a tile of 16
+// rows (input pairs) x 16 columns (weight rows) x 2 bf16, at dst + (k0 / 32) * tiles_apart tiles.
+// The codes are transposed as bytes first (a vector: 4 inputs of the 16 rows), so that each
+// weight is scale * u + offset in fp32 with the rows' scales as vectors, rounded once to bf16.
+// scratch: 64 x K / G floats (rounded up to 16 groups).
 template <int BITS, int G>
 void dequantize_b_tiles(const uint8_t* w, int64_t stride, int64_t K, const Format& f, uint32_t* dst, int64_t tiles_apart,
-                        float* scratch, uint16_t* rows) {
-  for (int r = 0; r < 16; ++r) dequantize_row<BITS, G>(w + r * stride, K, f, rows + r * K, scratch);
-  for (int64_t k0 = 0; k0 < K; k0 += 32) {
-    __m512i v[16];  // v[r]: row r's 32 bf16 = 16 input pairs
-    for (int r = 0; r < 16; ++r) v[r] = _mm512_loadu_si512(rows + r * K + k0);
-    transpose16(v);  // v[i]: input pair i of the 16 rows
-    uint32_t* tile = dst + (k0 / 32) * tiles_apart * 256;
-    for (int i = 0; i < 16; ++i) _mm512_storeu_si512(tile + 16 * i, v[i]);
+                        float* scratch) {
+  const int64_t groups = K / G, padded = (groups + 15) / 16 * 16, cb = f.chunk_bytes();
+  float* scale = scratch;  // [groups][16 rows]
+  float* offset = scratch + 16 * padded;
+  scales_over_rows<G>(w, stride, K, f, scale, offset, 16, scratch + 32 * padded);
+  alignas(64) static const uint16_t pairs_of[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                    8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_load_si512(pairs_of);  // element 2i: input a of row i, 2i + 1: input b
+  const __m512i byte = _mm512_set1_epi32(0xff);
+  for (int64_t c = 0; c < K / CHUNK; ++c) {
+    __m512i v[16];  // v[r]: row r's 64 codes, dword j = inputs 4j .. 4j + 3
+    for (int r = 0; r < 16; ++r) v[r] = decode_bytes<BITS>(w + r * stride + cb * c);
+    transpose16(v);  // v[j]: inputs 64c + 4j .. + 3 of the 16 rows
+    for (int j = 0; j < 16; ++j) {
+      const int64_t g = (CHUNK * c + 4 * j) / G;
+      const __m512 s = _mm512_loadu_ps(scale + 16 * g), o = _mm512_loadu_ps(offset + 16 * g);
+      __m512 q[4];
+      for (int b = 0; b < 4; ++b)
+        q[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v[j], 8 * b), byte)), s, o);
+      for (int h = 0; h < 2; ++h) {  // pair 32c + 2j + h: inputs 4j + 2h, 4j + 2h + 1
+        const __m512i pair = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(q[2 * h + 1], q[2 * h]));
+        const int64_t p = 32 * c + 2 * j + h;
+        _mm512_storeu_si512(dst + (p / 16) * tiles_apart * 256 + (p % 16) * 16, pair);
+      }
+    }
   }
 }
 
@@ -570,14 +597,13 @@ void gemm_panel(const Ctx& ctx, const uint8_t* w, int64_t M) {
   const int64_t K = ctx.K, N = ctx.N, stride = ctx.f.row_bytes(K);
   at::parallel_for(0, N / PANEL, 1, [&](int64_t p0, int64_t p1) {
     std::vector<uint32_t> panel(PANEL * K / 2);  // [K/32][2 halves][16 pairs][16 rows]
-    std::vector<uint16_t> rows(16 * K);
-    std::vector<float> scratch(2 * (K / G));
+    std::vector<float> scratch(64 * ((K / G + 15) / 16 * 16));
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * PANEL;
       prefetch_panel(w, stride, p, p1);
       for (int half = 0; half < 2; ++half)
         dequantize_b_tiles<BITS, G>(w + (n0 + 16 * half) * stride, stride, K, ctx.f, panel.data() + 256 * half, 2,
-                                    scratch.data(), rows.data());
+                                    scratch.data());
       int64_t m0 = 0;
       for (; m0 + PANEL_MR <= M; m0 += PANEL_MR) panel_rows<PANEL_MR>(panel.data(), ctx.xb, K, N, m0, n0, ctx.out);
       switch (M - m0) {
@@ -620,15 +646,14 @@ void gemm_amx(const Ctx& ctx, const uint8_t* w, int64_t M) {
     for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
     _tile_loadconfig(&cfg);
     std::vector<uint32_t> panel(PANEL * K / 2);  // [K/32][2 tiles][16 pairs][16 rows]
-    std::vector<uint16_t> rows(16 * K);
-    std::vector<float> scratch(2 * (K / G));
+    std::vector<float> scratch(64 * ((K / G + 15) / 16 * 16));
     alignas(64) float c[16 * 16];
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * PANEL;
       prefetch_panel(w, stride, p, p1);
       for (int half = 0; half < 2; ++half)
         dequantize_b_tiles<BITS, G>(w + (n0 + 16 * half) * stride, stride, K, ctx.f, panel.data() + 256 * half, 2,
-                                    scratch.data(), rows.data());
+                                    scratch.data());
       for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
         const bool two = m0 + 16 < Mp;
         _tile_zero(0);
