@@ -1,6 +1,7 @@
 // GGUF block weights (codes of 4, 5, 6 or 8 bits, two-level scales) x bfloat16 activations on
 // AVX-512 BF16 CPUs, with bf16 panels for many rows (on AMX tiles, or in vdpbf16ps register blocks
-// without AMX); built and loaded by gguf_kernels.py (see its docstring for the layout and the arithmetic).
+// without AMX; or, with int8_panels, int8 codes and activations for vpdpbusd); built and loaded by
+// gguf_kernels.py (see its docstring for the layout and the arithmetic).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -733,8 +734,6 @@ void check(const at::Tensor& packed, int64_t K, const Format& f, const char* op)
               op, ": packed must be [N, ", f.row_bytes(K), "] uint8 contiguous for K ", K, ", got ", packed.sizes());
 }
 
-// x [M, K] bfloat16 times packed [N, row_bytes] -> [M, N] bfloat16; from many_min_rows rows on, AMX
-// tiles (gemm_amx) or, without AMX, AVX-512 panels (gemm_panel)
 #ifdef PAGED_GGUF_AVX512
 // x [M, K] bf16 -> int8 per 32 inputs (scale dx = max |x| / 127, round to nearest), dx [M, K / 32].
 void quantize_x(const uint16_t* xb, int64_t M, int64_t K, int8_t* xq, float* dx) {
@@ -755,6 +754,8 @@ void quantize_x(const uint16_t* xb, int64_t M, int64_t K, int8_t* xq, float* dx)
 }
 #endif
 
+// x [M, K] bfloat16 times packed [N, row_bytes] -> [M, N] bfloat16; from many_min_rows rows on, AMX
+// tiles (gemm_amx) or, without AMX, AVX-512 panels (gemm_panel; gemm_panel_int8 with int8_panels)
 at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t bits, int64_t group, int64_t super_block,
                 int64_t many_min_rows, bool int8_activations, bool int8_panels) {
   const Format f = format_of(bits, group, super_block);

@@ -27,8 +27,9 @@ lanes, scaled per lane by the weight group's scale times the x block's; the offs
 x's exact sums.
 
 For many rows (prefill, large batches) on CPUs with AMX: 32 weight rows at a time are
-dequantized to bfloat16 (``scale * u + offset`` rounded once, as a dense bf16 copy holds them)
-and transposed in registers into AMX's B layout (pairs of inputs), x goes straight from memory
+dequantized to bfloat16 into AMX's B layout (pairs of inputs): their codes transposed in
+registers as bytes (a vector holds 4 inputs of 16 rows), then ``scale * u + offset`` in fp32 with
+the rows' scales as vectors, rounded once (as a dense bf16 copy holds them); x goes straight from memory
 into A tiles, and ``tdpbf16ps`` accumulates ``C[m, n]`` in fp32 (2 x 2 tiles per step). No dense
 copy lives beyond the call's panel. (Weights as A tiles and x transposed into B instead: 10%
 faster up to 32 rows, 10-20% slower from 128, the output transposes; not kept.) Without AMX the
@@ -43,9 +44,10 @@ With ``int8_panels`` (CPUs with AVX-512 VNNI and without AMX) the many-rows path
 one vector holds 4 consecutive inputs of 16 weight rows (AMX's int8 B layout); per group,
 ``vpdpbusd`` of the panel's two vectors with a broadcast of 4 int8 x gives exact int32 dot
 products, then in fp32 times the rows' group scale and the x block's scale, plus the group
-offsets times x's sums. Twice the multiply-adds per instruction of ``vdpbf16ps`` and no float
-work to prepare a panel: 1.2-1.6x the bf16 panels from 8 rows on (``benchmarks/gguf_gemm.py``,
-``many-i8``), at int8 activations' cost in exactness.
+offsets times x's sums. Twice the multiply-adds per instruction of ``vdpbf16ps`` and no
+per-weight float work to prepare a panel (only the groups' scales): 1.1-1.5x the bf16 panels from
+8 rows on (``benchmarks/gguf_gemm.py``, ``many-i8``), at int8 activations' cost in exactness.
+Without VNNI, or with AMX, the option changes nothing.
 """
 
 from __future__ import annotations

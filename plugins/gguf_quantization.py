@@ -14,7 +14,9 @@ their codes and scales as tensors and each call dequantizes with torch ops (corr
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -22,6 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from paged.core.loading.gguf_blocks import TYPES
 from paged.core.quantization import BlockScales
 from paged.plugins import gguf_kernels
+
+logger = logging.getLogger(__name__)
 
 
 class GGUFOptions(BaseModel):
@@ -49,6 +53,11 @@ class GGUFOptions(BaseModel):
     kernel: bool = Field(True, description="paged's C++ kernels (AVX-512 BF16); false = torch ops (slow)")
 
 
+@functools.cache
+def _warn_once(message: str) -> None:  # once per process, not once per weight
+    logger.warning(message)
+
+
 def _cpu_only(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
     if device.type != "cpu":
         return False, f"the GGUF kernels run on the CPU only, not {device.type}"
@@ -70,6 +79,9 @@ class GGUFWeight:
         # the kernel's many-rows path from this many rows on: AMX tiles where the CPU has them, else panels
         amx = self.kernels is not None and self.kernels.amx_available()
         self.many_min_rows = options.amx_min_rows if amx else options.panel_min_rows
+        if options.int8_panels and (self.kernels is None or amx or not self.kernels.int8_activations_available()):
+            _warn_once("gguf: int8_panels changes nothing here: it needs the GGUF kernels on a CPU with AVX-512 VNNI "
+                       "and without AMX (many rows run the bfloat16 panels, or AMX tiles)")
         self.packed: torch.Tensor | None = None
         self.fmt: tuple[int, int, int] = (0, 0, 0)
         self.codes = self.scale = self.offset = None
