@@ -78,33 +78,48 @@ inline float bf16_to_f(uint16_t b) {
 }
 
 #ifdef PAGED_GGUF_AVX512
-// A row's scale and offset per group, in float32: scale_g = d_s * a_g, offset_g = dm_s * o_g
-// (one-level: d_g, dm_g), 16 groups at a time.
-inline void row_scales(const uint8_t* row, int64_t K, const Format& f, float* scale, float* offset) {
-  const int64_t groups = K / f.group, supers = K / f.super_block, per = f.super_block / f.group;
+// A row's scales and offsets of groups g .. g + 15 (lanes past the mask k zero) as two vectors:
+// scale_g = d_s * a_g, offset_g = dm_s * o_g (one-level: d_g, dm_g). (G a template argument and
+// the super-block 256 or G: no integer division per row at run time.)
+template <int G>
+inline void group_vectors(const uint8_t* row, int64_t K, const Format& f, int64_t g, __mmask16 k, __m512& scale,
+                          __m512& offset) {
+  constexpr int64_t per = 256 / G;  // groups per super-block of two-level types
+  const int64_t groups = K / G;
   const uint8_t* meta = row + K / CHUNK * f.chunk_bytes();
+  if (!f.two_level()) {
+    const uint16_t* d = reinterpret_cast<const uint16_t*>(meta);
+    scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, d + g));
+    offset = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, d + groups + g));
+    return;
+  }
   const int8_t* a = reinterpret_cast<const int8_t*>(meta);
   const int8_t* o = a + groups;
-  const uint16_t* d = reinterpret_cast<const uint16_t*>(meta + (f.two_level() ? 2 * groups : 0));
-  const uint16_t* dm = d + supers;
+  const uint16_t* d = reinterpret_cast<const uint16_t*>(meta + 2 * groups);
+  const uint16_t* dm = d + K / 256;
+  // the super-block of each of the 16 groups: g / per + lane / per (per = 8 or 16)
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i idx = per == 16 ? _mm512_setzero_si512() : _mm512_srli_epi32(lane, 3);
+  const int64_t s0 = g / per, ns = std::min<int64_t>(K / 256 - s0, 2);
+  const __mmask16 ks = __mmask16((1u << ns) - 1);
+  const __m512 ds = _mm512_permutexvar_ps(idx, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(ks, d + s0)));
+  const __m512 dms = _mm512_permutexvar_ps(idx, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(ks, dm + s0)));
+  scale = _mm512_mul_ps(ds, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(k, a + g))));
+  offset = _mm512_mul_ps(dms, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(k, o + g))));
+}
+
+inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
+
+// A row's scale and offset per group, in float32, into scale[K / G] and offset[K / G].
+template <int G>
+inline void row_scales(const uint8_t* row, int64_t K, const Format& f, float* scale, float* offset) {
+  const int64_t groups = K / G;
   for (int64_t g = 0; g < groups; g += 16) {
-    const __mmask16 k = groups - g >= 16 ? __mmask16(0xffff) : __mmask16((1u << (groups - g)) - 1);
-    if (!f.two_level()) {
-      _mm512_mask_storeu_ps(scale + g, k, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, d + g)));
-      _mm512_mask_storeu_ps(offset + g, k, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, dm + g)));
-      continue;
-    }
-    // the super-block of each of the 16 groups: g / per + lane / per (per = 8 or 16)
-    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m512i idx = per == 16 ? _mm512_setzero_si512() : _mm512_srli_epi32(lane, 3);
-    const int64_t s0 = g / per, ns = std::min<int64_t>(supers - s0, 2);
-    const __mmask16 ks = __mmask16((1u << ns) - 1);
-    const __m512 ds = _mm512_permutexvar_ps(idx, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(ks, d + s0)));
-    const __m512 dms = _mm512_permutexvar_ps(idx, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(ks, dm + s0)));
-    const __m512 av = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(k, a + g)));
-    const __m512 ov = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(k, o + g)));
-    _mm512_mask_storeu_ps(scale + g, k, _mm512_mul_ps(ds, av));
-    _mm512_mask_storeu_ps(offset + g, k, _mm512_mul_ps(dms, ov));
+    const __mmask16 k = first_lanes(groups - g);
+    __m512 s, o;
+    group_vectors<G>(row, K, f, g, k, s, o);
+    _mm512_mask_storeu_ps(scale + g, k, s);
+    _mm512_mask_storeu_ps(offset + g, k, o);
   }
 }
 #endif
@@ -130,15 +145,19 @@ inline void decode_chunk(const uint8_t* c, __m512i& h0, __m512i& h1) {
   }
 }
 
-// Lane scales for one 32-input half: vdpbf16ps lane l holds inputs 2l, 2l + 1, so with groups
-// of 16 lanes 0-7 take group g and lanes 8-15 group g + 1.
+// Lane scales for one 32-input half, from the vector of a 16-group block's scales: vdpbf16ps
+// lane l holds inputs 2l, 2l + 1, so with groups of 32 every lane takes group 2 cc + half of the
+// block (cc its chunk), with groups of 16 lanes 0-7 take group 4 cc + 2 half and lanes 8-15 the
+// next. A permute, not a scalar in memory: the scales never leave the registers.
 template <int G>
-inline __m512 half_scales(const float* s, int64_t first_input) {
+inline __m512 half_scales(__m512 block, int64_t cc, int half) {
   if constexpr (G == 32) {
-    return _mm512_set1_ps(s[first_input / 32]);
+    return _mm512_permutexvar_ps(_mm512_set1_epi32(int(2 * cc + half)), block);
   } else {
-    const __m512 two = _mm512_castpd_ps(_mm512_set1_pd(*reinterpret_cast<const double*>(s + first_input / 16)));
-    return _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), two);
+    const int g = int(4 * cc + 2 * half);
+    return _mm512_permutexvar_ps(_mm512_set_epi32(g + 1, g + 1, g + 1, g + 1, g + 1, g + 1, g + 1, g + 1, g, g, g, g, g,
+                                                  g, g, g),
+                                 block);
   }
 }
 
@@ -151,39 +170,28 @@ struct Ctx {
   const int8_t* xq;    // int8 activations: x [M, K] quantized per 32 inputs (or null)
   const float* xql;    // their scales, lane-expanded per 64-input chunk [M, K / 64, 16] (few rows)
   const float* dx;     // their scales per 32 inputs [M, K / 32] (int8 panels)
+  int64_t stride;      // f.row_bytes(K), computed once per call (it divides)
 };
 
 constexpr int AND_OR = 0xEA;  // (A & B) | C as a ternary-logic table
 
-// The scales and offsets of a tile's R rows into scratch (2 R K / G floats).
-template <int R>
-inline void tile_scales(const uint8_t* w, int64_t stride, int64_t K, const Format& f, float* scratch, float* scale[R],
-                        float* offset[R]) {
-  const int64_t groups = K / f.group;
-  for (int r = 0; r < R; ++r) {
-    scale[r] = scratch + 2 * r * groups;
-    offset[r] = scale[r] + groups;
-    row_scales(w + r * stride, K, f, scale[r], offset[r]);
-  }
-}
-
-// R output rows from row n for MT x rows from m0: per half-chunk, vdpbf16ps of the codes as the
-// bf16 numbers 128 + u (exact: u < 128) with x, times the lane scales; then sum_g (offset_g -
-// 128 scale_g) * xsum_g. 8 bits: u = lo + 16 hi, both nibbles in one accumulation (below),
-// sum_g (offset_g - 2176 scale_g) xsum_g.
+// R output rows from row n for MT x rows from m0, 16 groups (a block) at a time: the rows'
+// scales and offsets of the block as vectors; per half-chunk, vdpbf16ps of the codes as the bf16
+// numbers 128 + u (exact: u < 128) with x, times the lane scales; then the block's sum_g
+// (offset_g - 128 scale_g) * xsum_g. 8 bits: u = lo + 16 hi, both nibbles in one accumulation
+// (below), offsets less 2176 scale_g. The order of the sums is the same for every R and MT.
 template <int BITS, int G, int R, int MT>
-void tile(const uint8_t* w, const Ctx& ctx, int64_t n, int64_t m0, float* scratch) {
-  const int64_t K = ctx.K, groups = K / G, stride = ctx.f.row_bytes(K), cb = ctx.f.chunk_bytes();
+void tile(const uint8_t* w, const Ctx& ctx, int64_t n, int64_t m0) {
+  const int64_t K = ctx.K, groups = K / G, stride = ctx.stride, cb = ctx.f.chunk_bytes();
+  constexpr int64_t BLOCK_CHUNKS = 16 * G / CHUNK;  // chunks of a 16-group block: 8 or 4
   const uint16_t* xb = ctx.xb + m0 * K;
   const float* xs = ctx.xs + m0 * groups;
-  float* scale[R];
-  float* offset[R];
-  tile_scales<R>(w, stride, K, ctx.f, scratch, scale, offset);
   __m512 acc[R][MT], acc1[R][MT];  // two per output: the halves' FMA chains stay independent
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MT; ++m) acc[r][m] = acc1[r][m] = _mm512_setzero_ps();
   const __m512i bias = _mm512_set1_epi16(0x4300);  // bf16 128.0: | u makes 128 + u
-  for (int64_t c = 0; c < K / CHUNK; ++c) {
+  const __m512 lift = _mm512_set1_ps(BITS == 8 ? -2176.f : -128.f);
+  auto chunk = [&](int64_t c, int64_t cc, const __m512 (&scale)[R]) {
     // With one weight row per tile (MT >= 3) each x chunk is used once: loaded where it is
     // used, so that 8 rows' accumulators fit the 32 registers; with R rows, loaded once.
     __m512i x0[R == 1 ? 1 : MT], x1[R == 1 ? 1 : MT];
@@ -204,7 +212,7 @@ void tile(const uint8_t* w, const Ctx& ctx, int64_t n, int64_t m0, float* scratc
     for (int r = 0; r < R; ++r) {
       __m512i h0, h1;
       decode_chunk<BITS>(w + r * stride + cb * c, h0, h1);
-      const __m512 s0 = half_scales<G>(scale[r], CHUNK * c), s1 = half_scales<G>(scale[r], CHUNK * c + 32);
+      const __m512 s0 = half_scales<G>(scale[r], cc, 0), s1 = half_scales<G>(scale[r], cc, 1);
       if constexpr (BITS == 8) {
         // u = lo + 16 hi: lo as the bf16 number 128 + lo, hi as 2048 + 16 hi (0x4500 | hi: the
         // exponent 4 higher), so one accumulation of both gives sum (u + 2176) x
@@ -229,17 +237,28 @@ void tile(const uint8_t* w, const Ctx& ctx, int64_t n, int64_t m0, float* scratc
         }
       }
     }
-  }
-  const __m512 lift = _mm512_set1_ps(BITS == 8 ? -2176.f : -128.f);
-  for (int r = 0; r < R; ++r) {
-    for (int64_t g = 0; g < groups; g += 16) {
-      const __mmask16 k = groups - g >= 16 ? __mmask16(0xffff) : __mmask16((1u << (groups - g)) - 1);
-      const __m512 z = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, scale[r] + g), lift, _mm512_maskz_loadu_ps(k, offset[r] + g));
-      for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_fmadd_ps(z, _mm512_maskz_loadu_ps(k, xs + m * groups + g), acc[r][m]);
+  };
+  for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+    const __mmask16 k = first_lanes(groups - g0);
+    __m512 scale[R], lifted[R];  // lifted: offset_g - 128 scale_g (8 bits: - 2176 scale_g)
+    for (int r = 0; r < R; ++r) {
+      __m512 offset;
+      group_vectors<G>(w + r * stride, K, ctx.f, g0, k, scale[r], offset);
+      lifted[r] = _mm512_fmadd_ps(scale[r], lift, offset);
     }
+    const int64_t c0 = g0 * G / CHUNK;
+    if (groups - g0 >= 16) {
+#pragma GCC unroll 8
+      for (int64_t cc = 0; cc < BLOCK_CHUNKS; ++cc) chunk(c0 + cc, cc, scale);  // constant permutes
+    } else {
+      for (int64_t cc = 0; cc < (groups - g0) * G / CHUNK; ++cc) chunk(c0 + cc, cc, scale);
+    }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_fmadd_ps(lifted[r], _mm512_maskz_loadu_ps(k, xs + m * groups + g0), acc[r][m]);
+  }
+  for (int r = 0; r < R; ++r)
     for (int m = 0; m < MT; ++m)
       ctx.out[(m0 + m) * ctx.N + n + r] = f_to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(acc[r][m], acc1[r][m])));
-  }
 }
 
 // The next panel's 32 weight rows (one contiguous run of bytes) toward the cache while this one
@@ -301,7 +320,7 @@ void scales_over_rows(const uint8_t* w, int64_t stride, int64_t K, const Format&
   const int64_t groups = K / G, padded = (groups + 15) / 16 * 16;
   float* row_scale = scratch;  // [16 rows][padded], then the offsets alike: transposed 16 x 16 below
   float* row_offset = scratch + 16 * padded;
-  for (int r = 0; r < 16; ++r) row_scales(w + r * stride, K, f, row_scale + r * padded, row_offset + r * padded);
+  for (int r = 0; r < 16; ++r) row_scales<G>(w + r * stride, K, f, row_scale + r * padded, row_offset + r * padded);
   for (int which = 0; which < 2; ++which) {
     const float* src = which == 0 ? row_scale : row_offset;
     float* dst = which == 0 ? scale : offset;
@@ -328,41 +347,48 @@ void panel_scales(const uint8_t* w, int64_t stride, int64_t K, const Format& f, 
 // l: inputs 4l .. 4l + 3), converted and scaled per lane by the weight group's scale times the x
 // block's; the offsets use the exact sums of x.
 template <int BITS, int G, int R, int MT>
-void tile_int8(const uint8_t* w, const Ctx& ctx, int64_t n, int64_t m0, float* scratch) {
-  const int64_t K = ctx.K, groups = K / G, stride = ctx.f.row_bytes(K), cb = ctx.f.chunk_bytes(), chunks = K / CHUNK;
+void tile_int8(const uint8_t* w, const Ctx& ctx, int64_t n, int64_t m0) {
+  const int64_t K = ctx.K, groups = K / G, stride = ctx.stride, cb = ctx.f.chunk_bytes(), chunks = K / CHUNK;
+  constexpr int64_t BLOCK_CHUNKS = 16 * G / CHUNK;
   const int8_t* xq = ctx.xq + m0 * K;
   const float* xql = ctx.xql + m0 * chunks * 16;
   const float* xs = ctx.xs + m0 * groups;
-  float* scale[R];
-  float* offset[R];
-  tile_scales<R>(w, stride, K, ctx.f, scratch, scale, offset);
-  // lane l of a chunk is inputs 4l .. 4l + 3: group 2c + l / 8 (G = 32) or 4c + l / 4 (G = 16)
+  // lane l of a chunk is inputs 4l .. 4l + 3: group 2cc + l / 8 (G = 32) or 4cc + l / 4 (G = 16) of the block
   const __m512i lane_group = G == 32 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
                                      : _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
   __m512 acc[R][MT];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < chunks; ++c) {
+  auto chunk = [&](int64_t c, int64_t cc, const __m512 (&scale)[R]) {
+    const __m512i idx = _mm512_add_epi32(lane_group, _mm512_set1_epi32(int(cc * (CHUNK / G))));
     __m512i x[MT];
     for (int m = 0; m < MT; ++m) x[m] = _mm512_loadu_si512(xq + m * K + CHUNK * c);
     for (int r = 0; r < R; ++r) {
       const __m512i codes = decode_bytes<BITS>(w + r * stride + cb * c);
-      const __m512 sw = _mm512_permutexvar_ps(lane_group, _mm512_castps128_ps512(_mm_loadu_ps(scale[r] + (CHUNK / G) * c)));
+      const __m512 sw = _mm512_permutexvar_ps(idx, scale[r]);
       for (int m = 0; m < MT; ++m) {
         const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, x[m]);
         const __m512 lane_scale = _mm512_mul_ps(sw, _mm512_loadu_ps(xql + (m * chunks + c) * 16));
         acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), lane_scale, acc[r][m]);
       }
     }
-  }
-  for (int r = 0; r < R; ++r) {
-    for (int64_t g = 0; g < groups; g += 16) {
-      const __mmask16 k = groups - g >= 16 ? __mmask16(0xffff) : __mmask16((1u << (groups - g)) - 1);
-      const __m512 o = _mm512_maskz_loadu_ps(k, offset[r] + g);
-      for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_fmadd_ps(o, _mm512_maskz_loadu_ps(k, xs + m * groups + g), acc[r][m]);
+  };
+  for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+    const __mmask16 k = first_lanes(groups - g0);
+    __m512 scale[R], offset[R];
+    for (int r = 0; r < R; ++r) group_vectors<G>(w + r * stride, K, ctx.f, g0, k, scale[r], offset[r]);
+    const int64_t c0 = g0 * G / CHUNK;
+    if (groups - g0 >= 16) {
+#pragma GCC unroll 8
+      for (int64_t cc = 0; cc < BLOCK_CHUNKS; ++cc) chunk(c0 + cc, cc, scale);
+    } else {
+      for (int64_t cc = 0; cc < (groups - g0) * G / CHUNK; ++cc) chunk(c0 + cc, cc, scale);
     }
-    for (int m = 0; m < MT; ++m) ctx.out[(m0 + m) * ctx.N + n + r] = f_to_bf16(_mm512_reduce_add_ps(acc[r][m]));
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_fmadd_ps(offset[r], _mm512_maskz_loadu_ps(k, xs + m * groups + g0), acc[r][m]);
   }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) ctx.out[(m0 + m) * ctx.N + n + r] = f_to_bf16(_mm512_reduce_add_ps(acc[r][m]));
 }
 
 // The many-rows path with int8 activations (AVX-512 VNNI, no AMX): 32 weight rows' codes as
@@ -462,15 +488,15 @@ void gemm_panel_int8(const Ctx& ctx, const uint8_t* w, int64_t M) {
 #endif  // __AVX512VNNI__
 
 template <int BITS, int G, int R, int MT>
-inline void tile_any(const uint8_t* w, const Ctx& ctx, int64_t n, int64_t m0, float* scratch) {
+inline void tile_any(const uint8_t* w, const Ctx& ctx, int64_t n, int64_t m0) {
 #ifdef __AVX512VNNI__
-  if (ctx.xq != nullptr) return tile_int8<BITS, G, R, MT>(w, ctx, n, m0, scratch);
+  if (ctx.xq != nullptr) return tile_int8<BITS, G, R, MT>(w, ctx, n, m0);
 #endif
-  tile<BITS, G, R, MT>(w, ctx, n, m0, scratch);
+  tile<BITS, G, R, MT>(w, ctx, n, m0);
 }
 
 template <int BITS, int G, int MT>
-void rows_range(const uint8_t* w, const Ctx& ctx, int64_t m0, int64_t n0, int64_t n1, float* scratch) {
+void rows_range(const uint8_t* w, const Ctx& ctx, int64_t m0, int64_t n0, int64_t n1) {
   constexpr int R = MT == 1 ? 4 : MT == 2 ? 2 : 1;
   const int64_t stride = ctx.f.row_bytes(ctx.K);
   const char* base = reinterpret_cast<const char*>(w);
@@ -480,25 +506,24 @@ void rows_range(const uint8_t* w, const Ctx& ctx, int64_t m0, int64_t n0, int64_
   for (; n + R <= n1; n += R) {
     const int64_t target = std::min(end, (n + R) * stride + PREFETCH_BYTES);
     for (; next < target; next += 64) _mm_prefetch(base + next, _MM_HINT_T0);
-    tile_any<BITS, G, R, MT>(w + n * stride, ctx, n, m0, scratch);
+    tile_any<BITS, G, R, MT>(w + n * stride, ctx, n, m0);
   }
-  for (; n < n1; ++n) tile_any<BITS, G, 1, MT>(w + n * stride, ctx, n, m0, scratch);
+  for (; n < n1; ++n) tile_any<BITS, G, 1, MT>(w + n * stride, ctx, n, m0);
 }
 
 template <int BITS, int G>
 void gemm_rows(const Ctx& ctx, const uint8_t* w, int64_t M) {
   at::parallel_for(0, ctx.N, ROW_GRAIN, [&](int64_t n0, int64_t n1) {
-    std::vector<float> scratch(8 * (ctx.K / G));  // per tile row: its scales and offsets
     for (int64_t m0 = 0; m0 < M; m0 += ROWS_PER_PASS) {  // each pass reads the weights once
       switch (std::min<int64_t>(ROWS_PER_PASS, M - m0)) {
-        case 8: rows_range<BITS, G, 8>(w, ctx, m0, n0, n1, scratch.data()); break;
-        case 7: rows_range<BITS, G, 7>(w, ctx, m0, n0, n1, scratch.data()); break;
-        case 6: rows_range<BITS, G, 6>(w, ctx, m0, n0, n1, scratch.data()); break;
-        case 5: rows_range<BITS, G, 5>(w, ctx, m0, n0, n1, scratch.data()); break;
-        case 4: rows_range<BITS, G, 4>(w, ctx, m0, n0, n1, scratch.data()); break;
-        case 3: rows_range<BITS, G, 3>(w, ctx, m0, n0, n1, scratch.data()); break;
-        case 2: rows_range<BITS, G, 2>(w, ctx, m0, n0, n1, scratch.data()); break;
-        default: rows_range<BITS, G, 1>(w, ctx, m0, n0, n1, scratch.data());
+        case 8: rows_range<BITS, G, 8>(w, ctx, m0, n0, n1); break;
+        case 7: rows_range<BITS, G, 7>(w, ctx, m0, n0, n1); break;
+        case 6: rows_range<BITS, G, 6>(w, ctx, m0, n0, n1); break;
+        case 5: rows_range<BITS, G, 5>(w, ctx, m0, n0, n1); break;
+        case 4: rows_range<BITS, G, 4>(w, ctx, m0, n0, n1); break;
+        case 3: rows_range<BITS, G, 3>(w, ctx, m0, n0, n1); break;
+        case 2: rows_range<BITS, G, 2>(w, ctx, m0, n0, n1); break;
+        default: rows_range<BITS, G, 1>(w, ctx, m0, n0, n1);
       }
     }
   });
@@ -510,7 +535,7 @@ void dequantize_row(const uint8_t* row, int64_t K, const Format& f, uint16_t* ds
   const int64_t groups = K / G, cb = f.chunk_bytes();
   float* scale = scratch;
   float* offset = scratch + groups;
-  row_scales(row, K, f, scale, offset);
+  row_scales<G>(row, K, f, scale, offset);
   for (int64_t c = 0; c < K / CHUNK; ++c) {
     __m512i h[2];
     decode_chunk<BITS>(row + cb * c, h[0], h[1]);
@@ -800,7 +825,7 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t bits, 
   for (int64_t i = 0; i < int64_t(xql.size()) / 16; ++i)  // few rows: lanes 0-7 a chunk's first block, 8-15 its second
     for (int l = 0; l < 16; ++l) xql[16 * i + l] = dx[2 * i + l / 8];
   const Ctx ctx{K, N, f, xb, xs.data(), reinterpret_cast<uint16_t*>(out.data_ptr()), int8 ? xq.data() : nullptr,
-                xql.data(), panels8 ? dx.data() : nullptr};
+                xql.data(), panels8 ? dx.data() : nullptr, f.row_bytes(K)};
   const uint8_t* w = packed.data_ptr<uint8_t>();
   dispatch(f, [&](auto b, auto g) { gemm_format<decltype(b)::value, decltype(g)::value>(ctx, w, M, many); });
 #endif

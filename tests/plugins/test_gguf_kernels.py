@@ -67,6 +67,21 @@ def test_products_match_float64_with_gguf_weights(kind, tail):
     torch.testing.assert_close(w.linear(x, bias), w.linear(x, None) + bias)
 
 
+@needs_kernels
+@pytest.mark.parametrize("kind", KINDS)
+def test_few_rows_give_an_x_row_the_same_bits_in_any_batch(kind):
+    """The few-rows path sums each output in the same order whatever the number of x rows and the
+    weight rows' tile: a decode step (1 row) and a speculative verification (k + 1 rows) give one
+    token the same logits, so greedy outputs do not depend on the batch."""
+    exact, scales = _weight(kind, n=37, k=_tail_k(kind), seed=4)  # 37: tiles of 4 weight rows and a tail
+    for int8 in (False, True):
+        w = quantize_gguf(exact.bfloat16(), scales, GGUFOptions(amx_min_rows=0, panel_min_rows=0, int8_activations=int8))
+        x = torch.randn(11, exact.shape[1], generator=torch.Generator().manual_seed(6)).bfloat16()
+        alone = torch.cat([w.linear(x[i : i + 1], None) for i in range(11)])
+        for m in (2, 3, 5, 8, 11):  # every x-row tile, and passes of 8 plus a tail
+            assert torch.equal(w.linear(x[:m], None), alone[:m]), (int8, m)
+
+
 def _int8_reference(x: torch.Tensor, exact: torch.Tensor, scales) -> torch.Tensor:
     """What int8 activations compute, in float64: x rounded per 32 inputs to ``q * d`` (``d = max|x| /
     127``, ``q = round(x * 127 / max|x|)`` in float32, half to even, as the kernel's vcvtps2dq), times the
