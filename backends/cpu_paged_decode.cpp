@@ -35,6 +35,28 @@ inline float hsum(vec a) {  // halving tree, not a serial chain of 16 adds
 #endif
 }
 
+// The lane sums of four vectors (the scores of four positions) into out[0 .. 3]: one shuffle
+// tree for the four, about a third of the instructions of four hsum()s.
+inline void hsum4(vec a, vec b, vec c, vec d, float* out) {
+#if defined(__clang__) || __GNUC__ >= 12
+  typedef float v8 __attribute__((vector_size(32)));
+  typedef float v4 __attribute__((vector_size(16)));
+  // lanes 0-7: a's lanes i + (i + 8); lanes 8-15: b's
+  const vec ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                 __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const vec cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                 __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  // lanes 4j .. 4j + 3: vector j's four partial sums
+  const vec q = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const v8 r = __builtin_shufflevector(q, q, 0, 1, 4, 5, 8, 9, 12, 13) + __builtin_shufflevector(q, q, 2, 3, 6, 7, 10, 11, 14, 15);
+  const v4 sums = __builtin_shufflevector(r, r, 0, 2, 4, 6) + __builtin_shufflevector(r, r, 1, 3, 5, 7);
+  std::memcpy(out, &sums, sizeof sums);
+#else
+  out[0] = hsum(a), out[1] = hsum(b), out[2] = hsum(c), out[3] = hsum(d);
+#endif
+}
+
 // exp(x) for x <= 0 (softmax weights), written so that the loop over a tile vectorizes (libm's
 // expf is a call per element): 2^k * p(r) with a Cephes polynomial, relative error ~2e-7.
 inline float exp_nonpositive(float x) {
@@ -192,7 +214,21 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
           // scores of the tile and their max (the group's later heads find the rows in L1)
           const float* qi = qf.data() + si * D;
           float tile_max = -std::numeric_limits<float>::infinity();
-          for (int64_t t = t0; t < t1; ++t) {
+          int64_t t = t0;
+          for (; t + 4 <= t1; t += 4) {  // four positions at a time: one reduction tree for their sums
+            vec a[4] = {};
+            for (int64_t d = 0; d < DV; d += W) {
+              const vec qd = load_vec(qi + d);
+              for (int j = 0; j < 4; ++j) a[j] += qd * load_vec(kf + off[t + j] + d);
+            }
+            hsum4(a[0], a[1], a[2], a[3], &s[t]);
+            for (int j = 0; j < 4; ++j) {
+              const float* k = kf + off[t + j];
+              for (int64_t d = DV; d < D; ++d) s[t + j] += qi[d] * k[d];
+              tile_max = std::max(tile_max, s[t + j]);
+            }
+          }
+          for (; t < t1; ++t) {
             const float* k = kf + off[t];
             vec a = {};
             for (int64_t d = 0; d < DV; d += W) a += load_vec(qi + d) * load_vec(k + d);

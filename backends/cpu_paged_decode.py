@@ -35,6 +35,10 @@ enter the sums. Scores, softmax and accumulation are fp32 whatever the cache dty
 rounded once at the end. The inner loops use 16-lane GCC/Clang vector types (plain loops over a
 64-long head dim vectorized poorly: serial horizontal sums, spilled accumulators), and head dims
 64 and 128 are compile-time constants; any other head dim works through the generic instance.
+A tile's scores are taken four positions at a time, their lane sums in one shuffle tree (the same
+additions as one sum per position, so the same bits: a position's score does not depend on which
+four it falls in): 13.0 against 15.9 us a call at 200 positions, 43 against 55 at 900 (batch 1,
+2 threads, 3 KV heads of 3 queries each, bf16).
 
 Threads: OpenMP with ``at::get_num_threads()`` threads (``torch.set_num_threads`` applies); the
 library links libgomp, which resolves to the copy torch has loaded, so there is one thread pool.
