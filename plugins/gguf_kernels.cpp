@@ -125,6 +125,12 @@ inline void row_scales(const uint8_t* row, int64_t K, const Format& f, float* sc
 #endif
 
 #ifdef PAGED_GGUF_AVX512
+inline __mmask32 load_mask32(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  return _cvtu32_mask32(bits);
+}
+
 // One 64-input chunk's codes as two vectors of 32 uint16 lanes (inputs 0-31, 32-63).
 template <int BITS>
 inline void decode_chunk(const uint8_t* c, __m512i& h0, __m512i& h1) {
@@ -136,11 +142,9 @@ inline void decode_chunk(const uint8_t* c, __m512i& h0, __m512i& h1) {
     h0 = _mm512_and_si512(v, _mm512_set1_epi16(0x000f));
     h1 = _mm512_srli_epi16(v, 4);
     for (int p = 0; p < BITS - 4; ++p) {  // bit plane p: bit i is input i's bit 4 + p (added: the lanes hold < 16 before)
-      uint64_t plane;
-      std::memcpy(&plane, c + 32 + 8 * p, 8);
       const __m512i bit = _mm512_set1_epi16(int16_t(16 << p));
-      h0 = _mm512_mask_add_epi16(h0, __mmask32(plane), h0, bit);
-      h1 = _mm512_mask_add_epi16(h1, __mmask32(plane >> 32), h1, bit);
+      h0 = _mm512_mask_add_epi16(h0, load_mask32(c + 32 + 8 * p), h0, bit);
+      h1 = _mm512_mask_add_epi16(h1, load_mask32(c + 36 + 8 * p), h1, bit);
     }
   }
 }
