@@ -85,8 +85,8 @@ inline float tanh_vec(float x) {
 
 // acc[0 : NV*16] = alpha * acc + sum_t p[t] * V_row_t, NV vectors kept in registers while the
 // tile's rows stream by: NV independent FMA chains (one chain would wait on its own latency).
-template <int NV>
-inline void accumulate_rows(float* acc, float alpha, const float* p, const float* v, const int64_t* rows, int64_t n) {
+template <int NV, typename T>
+inline void accumulate_rows(float* acc, float alpha, const float* p, const T* v, const int64_t* rows, int64_t n) {
   vec a[NV];
   for (int i = 0; i < NV; ++i) a[i] = load_vec(acc + W * i) * alpha;
   for (int64_t t = 0; t < n; ++t)
@@ -105,7 +105,6 @@ template <typename T, int64_t HEAD_DIM>
 void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
                        const at::Tensor& out, int64_t window, double soft_cap, const int32_t* groups, int64_t B) {
-  constexpr bool is_fp32 = std::is_same<T, float>::value;
   const int64_t H = q.size(1), D = HEAD_DIM > 0 ? HEAD_DIM : q.size(2);
   const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2), G = H / Hkv;
   const int64_t row = Hkv * D;  // elements per cached position
@@ -144,11 +143,9 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   // may be busy elsewhere), so a fixed split leaves a thread idle at the end.
 #pragma omp parallel num_threads(threads)
   {
-    // per-thread scratch; k/v_stage: a KV head's tile rows widened to fp32 (bf16/fp16 caches)
+    // per-thread scratch: the queries (fp32, scaled), the softmax states, a tile's scores and cache rows
     std::vector<float> qf(QS * D), acc(QS * D), s(TILE), m(QS), l(QS);
-    std::vector<float> k_stage(is_fp32 ? 0 : TILE * D), v_stage(is_fp32 ? 0 : TILE * D);
-    std::vector<int64_t> rows(TILE), stage_rows(TILE);
-    for (int64_t t = 0; t < TILE; ++t) stage_rows[t] = t * D;
+    std::vector<int64_t> rows(TILE);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t unit = 0; unit < units; ++unit) {
       const int64_t item = unit / splits, split = unit % splits;
@@ -177,35 +174,14 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
           const int64_t j = start + t;
           rows[t] = ((int64_t)bt[b * bt_s0 + j / block_size] * block_size + j % block_size) * row;
         }
-        const float *kf = nullptr, *vf = nullptr;  // the current KV head's rows, fp32: kf + off[t]
-        const int64_t* off = nullptr;
+        const T *kf = nullptr, *vf = nullptr;  // the current KV head's rows: kf + rows[t]
         for (int64_t c = 0; c < ns; ++c) {  // KV head by KV head; each row's heads of its group
           const int64_t g = c / (nr * G), r = c / G % nr, i = g * G + c % G;  // head i of row r
-          if (c % (nr * G) == 0) {  // the next KV head
-            const int64_t kv = (h0 + g) * D;
-            if constexpr (is_fp32) {  // read in place
-              kf = reinterpret_cast<const float*>(kp) + kv;
-              vf = reinterpret_cast<const float*>(vp) + kv;
-              off = rows.data();
-            } else {  // widened once here rather than once per query head of the group
-              for (int64_t t = 0; t < n; ++t) {
-                const T* k = kp + rows[t] + kv;
-                const T* v = vp + rows[t] + kv;
-                for (int64_t d = 0; d < DV; d += W) {
-                  const vec kd = load_vec(k + d), vd = load_vec(v + d);
-                  std::memcpy(&k_stage[t * D + d], &kd, sizeof(vec));
-                  std::memcpy(&v_stage[t * D + d], &vd, sizeof(vec));
-                }
-                for (int64_t d = DV; d < D; ++d) {
-                  k_stage[t * D + d] = static_cast<float>(k[d]);
-                  v_stage[t * D + d] = static_cast<float>(v[d]);
-                }
-              }
-              kf = k_stage.data();
-              vf = v_stage.data();
-              off = stage_rows.data();
-            }
+          if (c % (nr * G) == 0) {  // the next KV head: read in place, widened as loaded
+            kf = kp + (h0 + g) * D;
+            vf = vp + (h0 + g) * D;
           }
+          const int64_t* off = rows.data();
           // this row's part of the tile: positions lo_r .. len_r - 1 only
           const int64_t len_r = lens[r0 + r], lo_r = window > 0 ? std::max<int64_t>(0, len_r - window) : 0;
           const int64_t t0 = std::max<int64_t>(0, lo_r - start), t1 = std::min<int64_t>(n, len_r - start);
@@ -223,17 +199,17 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
             }
             hsum4(a[0], a[1], a[2], a[3], &s[t]);
             for (int j = 0; j < 4; ++j) {
-              const float* k = kf + off[t + j];
-              for (int64_t d = DV; d < D; ++d) s[t + j] += qi[d] * k[d];
+              const T* k = kf + off[t + j];
+              for (int64_t d = DV; d < D; ++d) s[t + j] += qi[d] * static_cast<float>(k[d]);
               tile_max = std::max(tile_max, s[t + j]);
             }
           }
           for (; t < t1; ++t) {
-            const float* k = kf + off[t];
+            const T* k = kf + off[t];
             vec a = {};
             for (int64_t d = 0; d < DV; d += W) a += load_vec(qi + d) * load_vec(k + d);
             float dot = hsum(a);
-            for (int64_t d = DV; d < D; ++d) dot += qi[d] * k[d];
+            for (int64_t d = DV; d < D; ++d) dot += qi[d] * static_cast<float>(k[d]);
             s[t] = dot;
             tile_max = std::max(tile_max, dot);
           }
@@ -266,7 +242,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
           for (; d < DV; d += W) accumulate_rows<1>(ai + d, alpha, p, vf + d, rows_t, nt);
           for (; d < D; ++d) {
             float a = ai[d] * alpha;
-            for (int64_t t = 0; t < nt; ++t) a += p[t] * vf[rows_t[t] + d];
+            for (int64_t t = 0; t < nt; ++t) a += p[t] * static_cast<float>(vf[rows_t[t] + d]);
             ai[d] = a;
           }
         }

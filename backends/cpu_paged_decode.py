@@ -24,8 +24,10 @@ one thread would do two, the other one), each item's positions are split into ru
 tiles computed as separate units, whose softmax states (running max, sum, fp32 accumulator)
 are merged at the end (split-KV). An item walks its positions ``TILE`` (64) at a time; a tile may span several blocks,
 so block size 1 costs nothing extra. Per tile and KV head, the ``G = H / Hkv`` query heads that
-share the KV head are processed one after the other while the tile's K/V rows are hot in L1 (a
-bf16/fp16 tile is widened to fp32 once, into per-thread scratch, not once per query head): the
+share the KV head are processed one after the other while the tile's K/V rows are hot in L1
+(bf16/fp16 rows are read in place and widened to fp32 as they are loaded, once per query head: a
+per-thread fp32 copy of the tile, made once, cost more than it saved when the caches come from
+memory, as they do in a decode step after the weights streamed by; 5-10% at 256-600 positions): the
 tile's scores and their max, one online-softmax update (running max and sum; the accumulator is
 rescaled once per tile, not once per key), then the tile's V rows weighted into the fp32
 accumulator. Reading every KV head of a tile together makes each block one contiguous run of
