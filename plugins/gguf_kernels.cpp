@@ -571,23 +571,60 @@ void dequantize_b_tiles(const uint8_t* w, int64_t stride, int64_t K, const Forma
   alignas(64) static const uint16_t pairs_of[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i interleave = _mm512_load_si512(pairs_of);  // element 2i: input a of row i, 2i + 1: input b
+  // inputs 64c + 4j .. + 3 of the 16 rows, their codes in byte b of lane r >> shift (mask: 0xff or 0x0f)
+  auto dequantize_dwords = [&](int64_t c, int j, __m512i v, int shift, __m512i mask) {
+    const int64_t g = (CHUNK * c + 4 * j) / G;
+    const __m512 s = _mm512_loadu_ps(scale + 16 * g), o = _mm512_loadu_ps(offset + 16 * g);
+    __m512 q[4];
+    for (int b = 0; b < 4; ++b)
+      q[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 8 * b + shift), mask)), s, o);
+    for (int h = 0; h < 2; ++h) {  // pair 32c + 2j + h: inputs 4j + 2h, 4j + 2h + 1
+      const __m512i pair = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(q[2 * h + 1], q[2 * h]));
+      const int64_t p = 32 * c + 2 * j + h;
+      _mm512_storeu_si512(dst + (p / 16) * tiles_apart * 256 + (p % 16) * 16, pair);
+    }
+  };
+  if constexpr (BITS == 4) {
+    // 4 bits: the 16 rows' 32 code bytes of a chunk transposed as they are stored (an 8 x 8 dword
+    // transpose in each half: rows r and r + 8 share a vector), the nibbles taken apart after it;
+    // half the shuffles of widening each row to bytes first, the same values
+    const __m512i nibble = _mm512_set1_epi32(0x0f);
+    const __m512i lanes02 = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0), lanes13 = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
+    for (int64_t c = 0; c < K / CHUNK; ++c) {
+      __m512i v[8], t[8];  // v[r]: dwords 0-7 row r's 32 bytes, 8-15 row r + 8's
+      for (int r = 0; r < 8; ++r)
+        v[r] = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * stride + cb * c))),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (r + 8) * stride + cb * c)), 1);
+      for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+      }
+      for (int i = 0; i < 8; i += 4) {
+        v[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        v[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        v[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        v[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+      }
+      // v[4a + d]'s 128-bit lanes: dword d (lanes 0, 2) or 4 + d (lanes 1, 3) of rows 4a .. 4a + 3 (lanes 0, 1)
+      // and 8 + 4a .. 11 + 4a (lanes 2, 3); lanes 0 and 2 of v[d], v[d + 4] are dword d of the 16 rows, 1 and 3 dword 4 + d
+      for (int i = 0; i < 4; ++i) {
+        t[i] = _mm512_permutex2var_epi64(v[i], lanes02, v[i + 4]);
+        t[i + 4] = _mm512_permutex2var_epi64(v[i], lanes13, v[i + 4]);
+      }
+      for (int j = 0; j < 8; ++j) {  // t[j]: bytes 4j .. 4j + 3 of the 16 rows: inputs 4j + b (low nibbles), 32 + 4j + b (high)
+        dequantize_dwords(c, j, t[j], 0, nibble);
+        dequantize_dwords(c, j + 8, t[j], 4, nibble);
+      }
+    }
+    return;
+  }
   const __m512i byte = _mm512_set1_epi32(0xff);
   for (int64_t c = 0; c < K / CHUNK; ++c) {
     __m512i v[16];  // v[r]: row r's 64 codes, dword j = inputs 4j .. 4j + 3
     for (int r = 0; r < 16; ++r) v[r] = decode_bytes<BITS>(w + r * stride + cb * c);
     transpose16(v);  // v[j]: inputs 64c + 4j .. + 3 of the 16 rows
-    for (int j = 0; j < 16; ++j) {
-      const int64_t g = (CHUNK * c + 4 * j) / G;
-      const __m512 s = _mm512_loadu_ps(scale + 16 * g), o = _mm512_loadu_ps(offset + 16 * g);
-      __m512 q[4];
-      for (int b = 0; b < 4; ++b)
-        q[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v[j], 8 * b), byte)), s, o);
-      for (int h = 0; h < 2; ++h) {  // pair 32c + 2j + h: inputs 4j + 2h, 4j + 2h + 1
-        const __m512i pair = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(q[2 * h + 1], q[2 * h]));
-        const int64_t p = 32 * c + 2 * j + h;
-        _mm512_storeu_si512(dst + (p / 16) * tiles_apart * 256 + (p % 16) * 16, pair);
-      }
-    }
+    for (int j = 0; j < 16; ++j) dequantize_dwords(c, j, v[j], 0, byte);
   }
 }
 

@@ -32,7 +32,8 @@ x's exact sums.
 
 For many rows (prefill, large batches) on CPUs with AMX: 32 weight rows at a time are
 dequantized to bfloat16 into AMX's B layout (pairs of inputs): their codes transposed in
-registers as bytes (a vector holds 4 inputs of 16 rows), then ``scale * u + offset`` in fp32 with
+registers as bytes (a vector holds 4 inputs of 16 rows; 4-bit codes transposed as stored, 8 inputs
+of 16 rows, and taken apart into nibbles after), then ``scale * u + offset`` in fp32 with
 the rows' scales as vectors, rounded once (as a dense bf16 copy holds them); x goes straight from memory
 into A tiles, and ``tdpbf16ps`` accumulates ``C[m, n]`` in fp32 (2 x 2 tiles per step). No dense
 copy lives beyond the call's panel. (Weights as A tiles and x transposed into B instead: 10%
