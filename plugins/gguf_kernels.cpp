@@ -175,6 +175,7 @@ struct Ctx {
   const float* xql;    // their scales, lane-expanded per 64-input chunk [M, K / 64, 16] (few rows)
   const float* dx;     // their scales per 32 inputs [M, K / 32] (int8 panels)
   int64_t stride;      // f.row_bytes(K), computed once per call (it divides)
+  const uint16_t* xw;  // few rows (tile_words): x in the codes' word order [M, K] (word_order_x), else null
 };
 
 constexpr int AND_OR = 0xEA;  // (A & B) | C as a ternary-logic table
@@ -259,6 +260,152 @@ void tile(const uint8_t* w, const Ctx& ctx, int64_t n, int64_t m0) {
     }
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_fmadd_ps(lifted[r], _mm512_maskz_loadu_ps(k, xs + m * groups + g0), acc[r][m]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m)
+      ctx.out[(m0 + m) * ctx.N + n + r] = f_to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(acc[r][m], acc1[r][m])));
+}
+
+// Inputs per 64 bytes of codes (a "unit"): two 4-bit chunks, or one 8-bit chunk.
+template <int BITS>
+constexpr int64_t unit_inputs() { return BITS == 4 ? 128 : 64; }
+
+// x rows in the order tile_words reads the codes: a unit's 64 bytes as 32 16-bit words (word i =
+// bytes 2i, 2i + 1) give four vectors of 32 codes, the nibbles at bits 0, 4, 8 and 12 of each word
+// (A, B, C, D); x holds, per unit, the inputs of those lanes in that order. 4 bits (byte b of a
+// unit holds inputs lo(b) = 64 (b / 32) + b % 32 and lo(b) + 32): A lo(2i), B lo(2i) + 32,
+// C lo(2i + 1), D lo(2i + 1) + 32. 8 bits (byte b is input b; low nibble A/C, high B/D): A and B
+// take x[2i], C and D x[2i + 1], stored once each. K is a whole number of units.
+template <int BITS>
+void word_order_x(const uint16_t* xb, int64_t M, int64_t K, uint16_t* xw) {
+  constexpr int64_t U = unit_inputs<BITS>();
+  auto lo = [](int64_t b) { return 64 * (b / 32) + b % 32; };
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t u0 = 0; u0 < K; u0 += U) {
+      const uint16_t* x = xb + m * K + u0;
+      uint16_t* out = xw + m * K + u0;
+      for (int64_t i = 0; i < 32; ++i) {
+        if constexpr (BITS == 4) {
+          out[i] = x[lo(2 * i)];
+          out[32 + i] = x[lo(2 * i) + 32];
+          out[64 + i] = x[lo(2 * i + 1)];
+          out[96 + i] = x[lo(2 * i + 1) + 32];
+        } else {
+          out[i] = x[2 * i];
+          out[32 + i] = x[2 * i + 1];
+        }
+      }
+    }
+}
+
+// The lane scales of a unit's A/C (PART 0) or B/D (PART 1) vectors, from the vector of its
+// 16-group block's scales (uu: the unit's place in the block). vdpbf16ps lane l holds words 2l,
+// 2l + 1, i.e. bytes 4l .. 4l + 3 of the unit: 4 bits, groups of 32: lanes 0-7 group 4 uu + PART,
+// 8-15 group 4 uu + 2 + PART; groups of 16: lanes in fours, groups 8 uu + 2 PART + {0, 1, 4, 5};
+// 8 bits (PART 0 only): lanes 0-7 group 2 uu, 8-15 group 2 uu + 1.
+template <int BITS, int G, int PART, int UU>
+inline __m512 word_scales(__m512 block) {
+  constexpr int uu = UU;
+  int g[4];
+  if constexpr (BITS == 8) {
+    g[0] = g[1] = 2 * uu;
+    g[2] = g[3] = 2 * uu + 1;
+  } else if constexpr (G == 32) {
+    g[0] = g[1] = 4 * uu + PART;
+    g[2] = g[3] = 4 * uu + 2 + PART;
+  } else {
+    g[0] = 8 * uu + 2 * PART, g[1] = g[0] + 1, g[2] = g[0] + 4, g[3] = g[0] + 5;
+  }
+  return _mm512_permutexvar_ps(_mm512_set_epi32(g[3], g[3], g[3], g[3], g[2], g[2], g[2], g[2], g[1], g[1], g[1], g[1],
+                                                g[0], g[0], g[0], g[0]),
+                               block);
+}
+
+// As tile (the same sums per group and the same offsets' term), for 4- and 8-bit codes: each unit
+// of 64 code bytes is read as one vector of words and its four nibble positions become four
+// vectors of bf16 numbers with a shift and a ternary logic each (no widening, no byte permute),
+// against x in the matching order (Ctx::xw); the two vectors of a lane's group go into one
+// vdpbf16ps chain before their scale (one FMA per 64 codes, not per 32). Sums in another order
+// than tile's, the same for every R and MT.
+template <int BITS, int G, int R, int MT>
+void tile_words(const uint8_t* w, const Ctx& ctx, int64_t n, int64_t m0) {
+  constexpr int64_t U = unit_inputs<BITS>();
+  constexpr int64_t BLOCK_UNITS = 16 * G / U;  // units of a 16-group block: 4 or 2 (4 bits), 8 (8 bits)
+  const int64_t K = ctx.K, groups = K / G, stride = ctx.stride, kw = K;
+  const uint16_t* xw = ctx.xw + m0 * kw;
+  const float* xs = ctx.xs + m0 * groups;
+  __m512 acc[R][MT], acc1[R][MT];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) acc[r][m] = acc1[r][m] = _mm512_setzero_ps();
+  const __m512i nibble = _mm512_set1_epi16(0x000f);
+  const __m512i bias = _mm512_set1_epi16(0x4300);                              // bf16 128.0: | u makes 128 + u
+  const __m512i bias_hi = _mm512_set1_epi16(BITS == 8 ? 0x4500 : 0x4300);      // 8 bits: 2048 + 16 hi
+  const __m512 lift = _mm512_set1_ps(BITS == 8 ? -2176.f : -128.f);
+  // unit u, the block's unit UU (a constant: the lane scales are constant permutes)
+  auto unit = [&](int64_t u, auto uu_c, const __m512 (&scale)[R]) {
+    constexpr int UU = decltype(uu_c)::value;
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* c = w + r * stride + 64 * u;
+      const __m512i v = _mm512_loadu_si512(c);
+      const __m512i a = _mm512_ternarylogic_epi32(v, nibble, bias, AND_OR);
+      const __m512i b = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nibble, bias_hi, AND_OR);
+      const __m512i cc = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 8), nibble, bias, AND_OR);
+      const __m512i d = _mm512_or_si512(_mm512_srli_epi16(v, 12), bias_hi);
+      if constexpr (BITS == 8) {
+        const __m512 s = word_scales<BITS, G, 0, UU>(scale[r]);
+        for (int m = 0; m < MT; ++m) {
+          const __m512i xe = _mm512_loadu_si512(xw + m * kw + U * u), xo = _mm512_loadu_si512(xw + m * kw + U * u + 32);
+          const __m512 t0 = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)a, (__m512bh)xe),
+                                             (__m512bh)b, (__m512bh)xe);
+          const __m512 t1 = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)cc, (__m512bh)xo),
+                                             (__m512bh)d, (__m512bh)xo);
+          acc[r][m] = _mm512_fmadd_ps(t0, s, acc[r][m]);
+          acc1[r][m] = _mm512_fmadd_ps(t1, s, acc1[r][m]);
+        }
+      } else {
+        const __m512 s0 = word_scales<BITS, G, 0, UU>(scale[r]), s1 = word_scales<BITS, G, 1, UU>(scale[r]);
+        for (int m = 0; m < MT; ++m) {
+          const uint16_t* x = xw + m * kw + U * u;
+          const __m512 t0 = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)a, (__m512bh)_mm512_loadu_si512(x)),
+                                             (__m512bh)cc, (__m512bh)_mm512_loadu_si512(x + 64));
+          const __m512 t1 = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)b, (__m512bh)_mm512_loadu_si512(x + 32)),
+                                             (__m512bh)d, (__m512bh)_mm512_loadu_si512(x + 96));
+          acc[r][m] = _mm512_fmadd_ps(t0, s0, acc[r][m]);
+          acc1[r][m] = _mm512_fmadd_ps(t1, s1, acc1[r][m]);
+        }
+      }
+    }
+  };
+  alignas(64) float lifted_mem[R][16];  // in memory while the block multiplies: the registers hold the codes
+  for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+    const __mmask16 k = first_lanes(groups - g0);
+    __m512 scale[R];
+    for (int r = 0; r < R; ++r) {
+      __m512 offset;
+      group_vectors<G>(w + r * stride, K, ctx.f, g0, k, scale[r], offset);
+      _mm512_store_ps(lifted_mem[r], _mm512_fmadd_ps(scale[r], lift, offset));  // offset_g - 128 scale_g (8 bits: - 2176)
+    }
+    const int64_t u0 = g0 * G / U;
+    const int64_t units = std::min<int64_t>(groups - g0, 16) * G / U;  // a last block may hold fewer
+    auto each = [&](auto uu_c) {
+      constexpr int UU = decltype(uu_c)::value;
+      if (UU < units) unit(u0 + UU, uu_c, scale);
+    };
+    each(std::integral_constant<int, 0>{});
+    each(std::integral_constant<int, 1>{});
+    if constexpr (BLOCK_UNITS > 2) {
+      each(std::integral_constant<int, 2>{});
+      each(std::integral_constant<int, 3>{});
+    }
+    if constexpr (BLOCK_UNITS > 4) {
+      each(std::integral_constant<int, 4>{});
+      each(std::integral_constant<int, 5>{});
+      each(std::integral_constant<int, 6>{});
+      each(std::integral_constant<int, 7>{});
+    }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MT; ++m)
+        acc[r][m] = _mm512_fmadd_ps(_mm512_load_ps(lifted_mem[r]), _mm512_maskz_loadu_ps(k, xs + m * groups + g0), acc[r][m]);
   }
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MT; ++m)
@@ -496,6 +643,9 @@ inline void tile_any(const uint8_t* w, const Ctx& ctx, int64_t n, int64_t m0) {
 #ifdef __AVX512VNNI__
   if (ctx.xq != nullptr) return tile_int8<BITS, G, R, MT>(w, ctx, n, m0);
 #endif
+  if constexpr (BITS == 4 || BITS == 8) {
+    if (ctx.xw != nullptr) return tile_words<BITS, G, R, MT>(w, ctx, n, m0);
+  }
   tile<BITS, G, R, MT>(w, ctx, n, m0);
 }
 
@@ -865,8 +1015,15 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t bits, 
   if (int8) quantize_x(xb, M, K, xq.data(), dx.data());
   for (int64_t i = 0; i < int64_t(xql.size()) / 16; ++i)  // few rows: lanes 0-7 a chunk's first block, 8-15 its second
     for (int l = 0; l < 16; ++l) xql[16 * i + l] = dx[2 * i + l / 8];
+  // few rows of 8-bit codes, or of 4-bit codes in whole units of 128 inputs, bf16 x: x in the
+  // codes' word order (tile_words; 4-bit rows of 64 more inputs, as the default model's 576, were
+  // measured no faster that way: their last half unit costs a whole one)
+  const bool words = !many && !int8 && (f.bits == 8 || (f.bits == 4 && K % 128 == 0));
+  std::vector<uint16_t> xw(words ? M * K : 0);
+  if (words && f.bits == 4) word_order_x<4>(xb, M, K, xw.data());
+  if (words && f.bits == 8) word_order_x<8>(xb, M, K, xw.data());
   const Ctx ctx{K, N, f, xb, xs.data(), reinterpret_cast<uint16_t*>(out.data_ptr()), int8 ? xq.data() : nullptr,
-                xql.data(), panels8 ? dx.data() : nullptr, f.row_bytes(K)};
+                xql.data(), panels8 ? dx.data() : nullptr, f.row_bytes(K), words ? xw.data() : nullptr};
   const uint8_t* w = packed.data_ptr<uint8_t>();
   dispatch(f, [&](auto b, auto g) { gemm_format<decltype(b)::value, decltype(g)::value>(ctx, w, M, many); });
 #endif

@@ -23,8 +23,16 @@ before the fp32 sum. A row's scales and offsets are read 16 groups (a block) at 
 vectors and stay in registers (a lane scale is a permute of them; the block's offsets are added
 after its chunks), in the same order of sums whatever the number of rows, so that an x row gets
 the same bits in any batch (one-row GEMVs 10-15% faster than with the scales written to memory
-and read back). Rows of the weight stream once per four x rows, with software prefetch (as
-the int4 kernel). With ``int8_activations`` (an option, CPUs with AVX-512 VNNI) x is quantized
+and read back). Where a row is a whole number of 128-input units (4 bits; always with 8 bits) the
+codes are read another way (``tile_words``): a unit's 64 bytes as 32 words whose nibbles at bits 0,
+4, 8 and 12 become four bf16 vectors with one shift and one ternary-logic op each (no widening),
+against x reordered once per call to match, the two vectors of a lane's group summed in one
+``vdpbf16ps`` chain before its scale (one FMA per 64 codes): on rows of 768-2048 inputs 5-13%
+faster at one x row and 15-26% at five (a verification), in cache on one thread
+(``benchmarks/gguf_kernel_ab.py``, 2-core Xeon). 4-bit rows of 64 more inputs (the default model's
+576) keep the per-chunk path: their last half unit cost as much as a whole one and made the other
+no faster. Exact either way, each in its own order of sums (the same for every batch size). Rows
+of the weight stream once per four x rows, with software prefetch (as the int4 kernel). With ``int8_activations`` (an option, CPUs with AVX-512 VNNI) x is quantized
 per 32 inputs instead (scale ``max|x| / 127``, as llama.cpp's Q8 activations), a chunk's 64
 codes become 64 bytes and one ``vpdpbusd`` per x row multiplies them by 64 int8 x into 16 int32
 lanes, scaled per lane by the weight group's scale times the x block's; the offsets still use

@@ -69,11 +69,13 @@ def test_products_match_float64_with_gguf_weights(kind, tail):
 
 @needs_kernels
 @pytest.mark.parametrize("kind", KINDS)
-def test_few_rows_give_an_x_row_the_same_bits_in_any_batch(kind):
+@pytest.mark.parametrize("tail", [False, True], ids=["k512", "k_tail"])
+def test_few_rows_give_an_x_row_the_same_bits_in_any_batch(kind, tail):
     """The few-rows path sums each output in the same order whatever the number of x rows and the
     weight rows' tile: a decode step (1 row) and a speculative verification (k + 1 rows) give one
-    token the same logits, so greedy outputs do not depend on the batch."""
-    exact, scales = _weight(kind, n=37, k=_tail_k(kind), seed=4)  # 37: tiles of 4 weight rows and a tail
+    token the same logits, so greedy outputs do not depend on the batch. (512 inputs: 4- and 8-bit
+    codes in the codes' word order, tile_words; 576: 4-bit codes per chunk, tile.)"""
+    exact, scales = _weight(kind, n=37, k=_tail_k(kind) if tail else 512, seed=4)  # 37: tiles of 4 weight rows and a tail
     for int8 in (False, True):
         w = quantize_gguf(exact.bfloat16(), scales, GGUFOptions(amx_min_rows=0, panel_min_rows=0, int8_activations=int8))
         x = torch.randn(11, exact.shape[1], generator=torch.Generator().manual_seed(6)).bfloat16()
