@@ -421,19 +421,26 @@ inline void prefetch_panel(const uint8_t* w, int64_t stride, int64_t p, int64_t 
   for (int64_t b = 0; b < PANEL * stride; b += 64) _mm_prefetch(next + b, _MM_HINT_T1);
 }
 
-// 16 vectors of 16 dwords, transposed in place (rows[i][j] <-> rows[j][i]).
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
+// In each 128-bit lane, the 4 x 4 dwords of every four vectors r[i .. i + 3] transposed in place
+// (vector i + d then holds dword d of the four): the first two steps of the transposes below.
+template <int N>
+inline void transpose_lanes4(__m512i r[N], __m512i t[N]) {
+  for (int i = 0; i < N; i += 2) {
     t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
     t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
   }
-  for (int i = 0; i < 16; i += 4) {
+  for (int i = 0; i < N; i += 4) {
     r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
     r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
     r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
     r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
   }
+}
+
+// 16 vectors of 16 dwords, transposed in place (rows[i][j] <-> rows[j][i]).
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  transpose_lanes4<16>(r, t);
   for (int i = 0; i < 16; i += 8)
     for (int j = 0; j < 4; ++j) t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88),
                                t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
@@ -746,16 +753,7 @@ void dequantize_b_tiles(const uint8_t* w, int64_t stride, int64_t K, const Forma
         v[r] = _mm512_inserti64x4(
             _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * stride + cb * c))),
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (r + 8) * stride + cb * c)), 1);
-      for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
-      }
-      for (int i = 0; i < 8; i += 4) {
-        v[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        v[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        v[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        v[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-      }
+      transpose_lanes4<8>(v, t);
       // v[4a + d]'s 128-bit lanes: dword d (lanes 0, 2) or 4 + d (lanes 1, 3) of rows 4a .. 4a + 3 (lanes 0, 1)
       // and 8 + 4a .. 11 + 4a (lanes 2, 3); lanes 0 and 2 of v[d], v[d + 4] are dword d of the 16 rows, 1 and 3 dword 4 + d
       for (int i = 0; i < 4; ++i) {
