@@ -56,3 +56,28 @@ def test_no_test_hardcodes_a_checkout_path():
     checkout = str(REPO_ROOT)
     offenders = [str(p.relative_to(TESTS_DIR)) for p in TESTS_DIR.rglob("*.py") if checkout in p.read_text()]
     assert offenders == []
+
+
+def test_the_suite_profile_counts_each_test_and_the_processes_it_starts(tmp_path):
+    """``benchmarks/suite_profile.py`` on a one-test suite whose test starts a Python process
+    that burns CPU: one test, that process under its file and kind, its CPU within the total."""
+    import json
+
+    (tmp_path / "test_x.py").write_text(textwrap.dedent("""
+        import subprocess, sys
+
+        def test_starts_a_process():
+            subprocess.run([sys.executable, "-c", "sum(i * i for i in range(3_000_000))"], check=True)
+    """))
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "benchmarks" / "suite_profile.py"), "--json", "--",
+         "-n", "0", "-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(tmp_path)],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads(proc.stdout[proc.stdout.index("{\n"):])
+    assert summary["tests"] == 1 and summary["started_processes"] == 1, summary
+    (name, row), = summary["files"].items()
+    assert name.endswith("test_x.py") and row["processes"] == 1 and row["process_cpu"] > 0.05, summary
+    assert list(summary["process_kinds"]) == ["python -c"]
+    assert 0 < summary["started_process_cpu_s"] < summary["cpu_s"]
+    assert summary["pytest_returncode"] == 0
