@@ -104,10 +104,10 @@ def process_kind(argv: list[str]) -> str:
                   or words[:2] == ["-m", "paged.core.cli"]):
         rest = [w for w in words[1:] if not w.startswith("-")]
         return "paged " + (rest[0] if rest else "")
-    if words and words[0].startswith("benchmarks/") or "/benchmarks/" in (words[0] if words else ""):
-        return "python benchmarks/" + Path(words[0]).name
     if not words or words[0] == "-c":
         return "python -c"
+    if words[0].startswith("benchmarks/") or "/benchmarks/" in words[0]:
+        return "python benchmarks/" + Path(words[0]).name
     return Path(words[0]).name
 
 

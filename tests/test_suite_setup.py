@@ -1,5 +1,5 @@
-"""The test suite itself: tests that need the default model never skip silently in CI, and no
-test names this checkout's path."""
+"""The test suite itself: tests that need the default model never skip silently in CI, no test
+names this checkout's path, and ``benchmarks/suite_profile.py`` accounts for the suite's CPU."""
 
 from __future__ import annotations
 
