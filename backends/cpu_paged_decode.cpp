@@ -20,6 +20,11 @@ namespace {
 // Positions per online-softmax step: the accumulator is rescaled once per tile, and a KV head's
 // tile rows (TILE x D each for K and V) stay in L1/L2 while the G query heads of its group use them.
 constexpr int64_t TILE = 64;
+// Softmax states per KV head from which a bf16/fp16 tile is widened to fp32 once, into a per-thread
+// copy, rather than at each use: at 15 (5 grouped rows x 3 heads) the copy took the kernel from
+// 6.4-7.0 to 4.5-4.8 ms per 30 layers at 900 positions; at 3 (one row) it cost 5-10% (see the
+// loader's docstring), so a one-row decode stays in place.
+constexpr int64_t COPY_MIN_USES = 4;
 inline float hsum(vec a) {  // halving tree, not a serial chain of 16 adds
 #if defined(__clang__) || __GNUC__ >= 12
   typedef float v8 __attribute__((vector_size(32)));
@@ -146,6 +151,10 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
     // per-thread scratch: the queries (fp32, scaled), the softmax states, a tile's scores and cache rows
     std::vector<float> qf(QS * D), acc(QS * D), s(TILE), m(QS), l(QS);
     std::vector<int64_t> rows(TILE);
+    // a KV head's tile rows widened to fp32 once (bf16/fp16 read by COPY_MIN_USES states or more), row t at t * D
+    std::vector<float> k_tile(std::is_same_v<T, float> ? 0 : TILE * D), v_tile(k_tile.size());
+    std::vector<int64_t> tile_rows(TILE);
+    for (int64_t t = 0; t < TILE; ++t) tile_rows[t] = t * D;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t unit = 0; unit < units; ++unit) {
       const int64_t item = unit / splits, split = unit % splits;
@@ -174,19 +183,10 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
           const int64_t j = start + t;
           rows[t] = ((int64_t)bt[b * bt_s0 + j / block_size] * block_size + j % block_size) * row;
         }
-        const T *kf = nullptr, *vf = nullptr;  // the current KV head's rows: kf + rows[t]
-        for (int64_t c = 0; c < ns; ++c) {  // KV head by KV head; each row's heads of its group
-          const int64_t g = c / (nr * G), r = c / G % nr, i = g * G + c % G;  // head i of row r
-          if (c % (nr * G) == 0) {  // the next KV head: read in place, widened as loaded
-            kf = kp + (h0 + g) * D;
-            vf = vp + (h0 + g) * D;
-          }
-          const int64_t* off = rows.data();
-          // this row's part of the tile: positions lo_r .. len_r - 1 only
-          const int64_t len_r = lens[r0 + r], lo_r = window > 0 ? std::max<int64_t>(0, len_r - window) : 0;
-          const int64_t t0 = std::max<int64_t>(0, lo_r - start), t1 = std::min<int64_t>(n, len_r - start);
-          if (t1 <= t0) continue;  // none of its positions in this tile
-          const int64_t si = r * QH + i;  // its softmax state
+        // One softmax state (row r's query head i) over positions t0 .. t1 - 1 of the tile: the
+        // KV head's rows at kf + off[t], vf + off[t] (the cache's dtype, widened at each use, or
+        // the fp32 tile copy).
+        auto attend = [&](const auto* kf, const auto* vf, const int64_t* off, int64_t si, int64_t t0, int64_t t1) {
           // scores of the tile and their max (the group's later heads find the rows in L1)
           const float* qi = qf.data() + si * D;
           float tile_max = -std::numeric_limits<float>::infinity();
@@ -198,29 +198,27 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
               for (int j = 0; j < 4; ++j) a[j] += qd * load_vec(kf + off[t + j] + d);
             }
             hsum4(a[0], a[1], a[2], a[3], &s[t]);
-            for (int j = 0; j < 4; ++j) {
-              const T* k = kf + off[t + j];
+            for (int j = 0; j < 4 && DV < D; ++j) {
+              const auto* k = kf + off[t + j];
               for (int64_t d = DV; d < D; ++d) s[t + j] += qi[d] * static_cast<float>(k[d]);
-              tile_max = std::max(tile_max, s[t + j]);
             }
           }
           for (; t < t1; ++t) {
-            const T* k = kf + off[t];
+            const auto* k = kf + off[t];
             vec a = {};
             for (int64_t d = 0; d < DV; d += W) a += load_vec(qi + d) * load_vec(k + d);
             float dot = hsum(a);
             for (int64_t d = DV; d < D; ++d) dot += qi[d] * static_cast<float>(k[d]);
             s[t] = dot;
-            tile_max = std::max(tile_max, dot);
           }
           if (capped) {  // soft-capping is monotonic, but the max must be of the capped scores
-            tile_max = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : tile_max)
-            for (int64_t t = t0; t < t1; ++t) {
-              s[t] = cap * tanh_vec(s[t] * inv_cap);
-              tile_max = std::max(tile_max, s[t]);
-            }
+#pragma omp simd
+            for (int64_t t = t0; t < t1; ++t) s[t] = cap * tanh_vec(s[t] * inv_cap);
           }
+          // the max after the scores, one vectorized pass (a running max was a chain of dependent
+          // scalar maxes, one per position)
+#pragma omp simd reduction(max : tile_max)
+          for (int64_t t = t0; t < t1; ++t) tile_max = std::max(tile_max, s[t]);
           // online softmax: new running max, weights, rescale of what was accumulated so far
           const float m_new = std::max(m[si], tile_max);
           const float alpha = std::exp(m[si] - m_new);  // 0 on the first tile (m = -inf)
@@ -244,6 +242,35 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
             float a = ai[d] * alpha;
             for (int64_t t = 0; t < nt; ++t) a += p[t] * static_cast<float>(vf[rows_t[t] + d]);
             ai[d] = a;
+          }
+        };
+        // Used by more than COPY_MIN_USES states (grouped rows: speculative verification, short
+        // chunks), a bf16/fp16 KV head's tile rows are widened once into k_tile / v_tile.
+        const bool copy_tile = !std::is_same_v<T, float> && nr * G >= COPY_MIN_USES;
+        for (int64_t g = 0; g < ns / (nr * G); ++g) {  // KV head by KV head; each row's heads of its group
+          const T* kh = kp + (h0 + g) * D;
+          const T* vh = vp + (h0 + g) * D;
+          if (copy_tile) {  // exact: the same fp32 values as widening at each use
+            for (int64_t t = 0; t < n; ++t) {
+              float* kd = k_tile.data() + t * D;
+              float* vd = v_tile.data() + t * D;
+              int64_t d = 0;
+              for (; d < DV; d += W) {
+                const vec kv = load_vec(kh + rows[t] + d), vv = load_vec(vh + rows[t] + d);
+                std::memcpy(kd + d, &kv, sizeof(vec));
+                std::memcpy(vd + d, &vv, sizeof(vec));
+              }
+              for (; d < D; ++d) kd[d] = static_cast<float>(kh[rows[t] + d]), vd[d] = static_cast<float>(vh[rows[t] + d]);
+            }
+          }
+          for (int64_t c = g * nr * G; c < (g + 1) * nr * G; ++c) {
+            const int64_t r = c / G % nr, i = g * G + c % G;  // head i of row r
+            // this row's part of the tile: positions lo_r .. len_r - 1 only
+            const int64_t len_r = lens[r0 + r], lo_r = window > 0 ? std::max<int64_t>(0, len_r - window) : 0;
+            const int64_t t0 = std::max<int64_t>(0, lo_r - start), t1 = std::min<int64_t>(n, len_r - start);
+            if (t1 <= t0) continue;  // none of its positions in this tile
+            if (copy_tile) attend(k_tile.data(), v_tile.data(), tile_rows.data(), r * QH + i, t0, t1);
+            else attend(kh, vh, rows.data(), r * QH + i, t0, t1);
           }
         }
       }

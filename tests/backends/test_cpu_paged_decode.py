@@ -244,13 +244,27 @@ def test_grouped_rows_match_brute_force(kernel, dtype, window, cap, contexts):
     context (row t attends over positions < context + t + 1: causal within the group), windows and
     soft-caps applied per row; one request (split-KV over the threads), a few, and nine (whole
     requests as work items). The float64 reference attends row by row."""
+    check_grouped_rows(dtype, window, cap, contexts, group=3, head_dim=64)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [8, 80])
+@pytest.mark.parametrize("group", [1, 4])
+def test_grouped_rows_of_any_head_dim_and_group_match_brute_force(kernel, dtype, head_dim, group):
+    """The same for head dims with a scalar tail (8: no whole vector; 80: one past 64), fp16's
+    generic widening, one query head per KV head (a tile is widened once into fp32 from 4 states
+    of a KV head on: here groups of 4+ rows) and 4 (from one row on)."""
+    check_grouped_rows(dtype, 0, 0.0, [130, 7, 64], group=group, head_dim=head_dim, sizes=[5, 1, 4])
+
+
+def check_grouped_rows(dtype, window, cap, contexts, group, head_dim, sizes=None):
     kernels = cpu_paged_decode.kernels()
     if kernels is None:
         pytest.skip("no kernel")
     rng = random.Random(len(contexts) * 7 + window)
-    sizes = [rng.randint(1, 6) for _ in contexts]
+    sizes = sizes or [rng.randint(1, 6) for _ in contexts]
     totals = [c + s for c, s in zip(contexts, sizes)]
-    num_kv_heads, group, head_dim, block_size = 2, 3, 64, 16
+    num_kv_heads, block_size = 2, 16
     _, k_cache, v_cache, table, _ = make_case(totals, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
                                               block_size=block_size, dtype=dtype, seed=len(contexts))
     gen = torch.Generator().manual_seed(5)
