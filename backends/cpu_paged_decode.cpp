@@ -20,11 +20,6 @@ namespace {
 // Positions per online-softmax step: the accumulator is rescaled once per tile, and a KV head's
 // tile rows (TILE x D each for K and V) stay in L1/L2 while the G query heads of its group use them.
 constexpr int64_t TILE = 64;
-// Softmax states per KV head from which a bf16/fp16 tile is widened to fp32 once, into a per-thread
-// copy, rather than at each use: at 15 (5 grouped rows x 3 heads) the copy took the kernel from
-// 6.4-7.0 to 4.5-4.8 ms per 30 layers at 900 positions; at 3 (one row) it cost 5-10% (see the
-// loader's docstring), so a one-row decode stays in place.
-constexpr int64_t COPY_MIN_USES = 4;
 inline float hsum(vec a) {  // halving tree, not a serial chain of 16 adds
 #if defined(__clang__) || __GNUC__ >= 12
   typedef float v8 __attribute__((vector_size(32)));
@@ -150,11 +145,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   {
     // per-thread scratch: the queries (fp32, scaled), the softmax states, a tile's scores and cache rows
     std::vector<float> qf(QS * D), acc(QS * D), s(TILE), m(QS), l(QS);
-    std::vector<int64_t> rows(TILE);
-    // a KV head's tile rows widened to fp32 once (bf16/fp16 read by COPY_MIN_USES states or more), row t at t * D
-    std::vector<float> k_tile(std::is_same_v<T, float> ? 0 : TILE * D), v_tile(k_tile.size());
-    std::vector<int64_t> tile_rows(TILE);
-    for (int64_t t = 0; t < TILE; ++t) tile_rows[t] = t * D;
+    std::vector<int64_t> rows(2 * TILE);  // this tile's cache rows, then the next one's (prefetched)
 #pragma omp for schedule(dynamic, 1)
     for (int64_t unit = 0; unit < units; ++unit) {
       const int64_t item = unit / splits, split = unit % splits;
@@ -179,14 +170,24 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
       const int64_t last = lo + std::min(span, (split + 1) * tiles_per_split * TILE);
       for (int64_t start = first; start < last; start += TILE) {
         const int64_t n = std::min(TILE, last - start);
-        for (int64_t t = 0; t < n; ++t) {  // cache row of each position, through the block table
-          const int64_t j = start + t;
-          rows[t] = ((int64_t)bt[b * bt_s0 + j / block_size] * block_size + j % block_size) * row;
+        // cache row of each position of this tile and the next, through the block table (the
+        // block and the offset in it stepped along, not divided out per position)
+        const int64_t n_next = std::min(TILE, std::max<int64_t>(0, last - start - TILE));
+        for (int64_t t = 0, blk = start / block_size, in = start % block_size; t < n + n_next; ++t) {
+          rows[t] = ((int64_t)bt[b * bt_s0 + blk] * block_size + in) * row;
+          if (++in == block_size) in = 0, ++blk;
         }
+        // the next tile's K/V rows of this item's KV heads toward the cache while this one is
+        // computed: a head's rows are a strided run (Hkv heads to a position) that the hardware
+        // prefetchers follow poorly
+        for (int64_t t = n; t < n + n_next; ++t)
+          for (int64_t off = 0; off < heads_per_item * D * int64_t(sizeof(T)); off += 64) {
+            __builtin_prefetch(reinterpret_cast<const char*>(kp + rows[t] + h0 * D) + off);
+            __builtin_prefetch(reinterpret_cast<const char*>(vp + rows[t] + h0 * D) + off);
+          }
         // One softmax state (row r's query head i) over positions t0 .. t1 - 1 of the tile: the
-        // KV head's rows at kf + off[t], vf + off[t] (the cache's dtype, widened at each use, or
-        // the fp32 tile copy).
-        auto attend = [&](const auto* kf, const auto* vf, const int64_t* off, int64_t si, int64_t t0, int64_t t1) {
+        // KV head's rows at kf + off[t], vf + off[t], read in place and widened as loaded.
+        auto attend = [&](const T* kf, const T* vf, const int64_t* off, int64_t si, int64_t t0, int64_t t1) {
           // scores of the tile and their max (the group's later heads find the rows in L1)
           const float* qi = qf.data() + si * D;
           float tile_max = -std::numeric_limits<float>::infinity();
@@ -199,12 +200,12 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
             }
             hsum4(a[0], a[1], a[2], a[3], &s[t]);
             for (int j = 0; j < 4 && DV < D; ++j) {
-              const auto* k = kf + off[t + j];
+              const T* k = kf + off[t + j];
               for (int64_t d = DV; d < D; ++d) s[t + j] += qi[d] * static_cast<float>(k[d]);
             }
           }
           for (; t < t1; ++t) {
-            const auto* k = kf + off[t];
+            const T* k = kf + off[t];
             vec a = {};
             for (int64_t d = 0; d < DV; d += W) a += load_vec(qi + d) * load_vec(k + d);
             float dot = hsum(a);
@@ -244,33 +245,16 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
             ai[d] = a;
           }
         };
-        // Used by more than COPY_MIN_USES states (grouped rows: speculative verification, short
-        // chunks), a bf16/fp16 KV head's tile rows are widened once into k_tile / v_tile.
-        const bool copy_tile = !std::is_same_v<T, float> && nr * G >= COPY_MIN_USES;
         for (int64_t g = 0; g < ns / (nr * G); ++g) {  // KV head by KV head; each row's heads of its group
           const T* kh = kp + (h0 + g) * D;
           const T* vh = vp + (h0 + g) * D;
-          if (copy_tile) {  // exact: the same fp32 values as widening at each use
-            for (int64_t t = 0; t < n; ++t) {
-              float* kd = k_tile.data() + t * D;
-              float* vd = v_tile.data() + t * D;
-              int64_t d = 0;
-              for (; d < DV; d += W) {
-                const vec kv = load_vec(kh + rows[t] + d), vv = load_vec(vh + rows[t] + d);
-                std::memcpy(kd + d, &kv, sizeof(vec));
-                std::memcpy(vd + d, &vv, sizeof(vec));
-              }
-              for (; d < D; ++d) kd[d] = static_cast<float>(kh[rows[t] + d]), vd[d] = static_cast<float>(vh[rows[t] + d]);
-            }
-          }
           for (int64_t c = g * nr * G; c < (g + 1) * nr * G; ++c) {
             const int64_t r = c / G % nr, i = g * G + c % G;  // head i of row r
             // this row's part of the tile: positions lo_r .. len_r - 1 only
             const int64_t len_r = lens[r0 + r], lo_r = window > 0 ? std::max<int64_t>(0, len_r - window) : 0;
             const int64_t t0 = std::max<int64_t>(0, lo_r - start), t1 = std::min<int64_t>(n, len_r - start);
             if (t1 <= t0) continue;  // none of its positions in this tile
-            if (copy_tile) attend(k_tile.data(), v_tile.data(), tile_rows.data(), r * QH + i, t0, t1);
-            else attend(kh, vh, rows.data(), r * QH + i, t0, t1);
+            attend(kh, vh, rows.data(), r * QH + i, t0, t1);
           }
         }
       }

@@ -27,11 +27,14 @@ so block size 1 costs nothing extra. Per tile and KV head, the ``G = H / Hkv`` q
 share the KV head are processed one after the other while the tile's K/V rows are hot in L1
 (bf16/fp16 rows are read in place and widened to fp32 as they are loaded, once per query head: a
 per-thread fp32 copy of the tile, made once, cost more than it saved when the caches come from
-memory, as they do in a decode step after the weights streamed by; 5-10% at 256-600 positions;
-but where 4 or more softmax states share a KV head's tile, grouped rows (a speculative
-verification's k + 1 rows, short chunks) or a group of 4+ query heads, the tile is widened once
-into a per-thread fp32 copy, the same values: 5 rows x 3 heads at 900 positions, 30 layers, 6.4-7.0
--> 4.5-4.8 ms on the 2-core EPYC, ``COPY_MIN_USES`` in the source): the tile's scores and their max, one online-softmax update (running max and sum; the accumulator is
+memory, as they do in a decode step after the weights streamed by; 5-10% at 256-600 positions.
+With AVX-512 a row is widened by one ``vpmovzxwd`` from memory and a shift (``native_vec.h``; the
+generic vector conversion compiled to two 256-bit widenings and an insert): one row at 3,000
+positions, 30 layers, 4.3 -> 3.3 ms in cache on the 2-core EPYC, and a tile copy no longer pays
+even for a verification's 5 rows x 3 heads, where it had taken 6.4-7.0 to 4.5-4.8 ms before). The
+next tile's K/V rows of the item's KV heads are prefetched while a tile is computed (a head's rows
+are a strided run the hardware prefetchers follow poorly: one row at 900-3,000 positions from
+memory 5-10% faster). Per tile: the tile's scores and their max, one online-softmax update (running max and sum; the accumulator is
 rescaled once per tile, not once per key), then the tile's V rows weighted into the fp32
 accumulator. Reading every KV head of a tile together makes each block one contiguous run of
 memory, which the hardware prefetchers follow. Only positions below ``seq_len`` are ever read, so

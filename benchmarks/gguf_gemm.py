@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, AMX: {kernels.amx_available()}; "
           f"median ms per pass ({args.layers} layers x 4 projections) of {args.rounds} alternated rounds")
     for kind in args.kinds.split(","):
-        weights: dict[str, list] = {"gguf": [], "dense": [], "int4": []}
+        weights: dict[str, list] = {"gguf": [], "x16": [], "dense": [], "int4": []}
         shapes = K_SHAPES if kind.endswith("_k") else SHAPES
         for layer in range(args.layers):
             for name, (n, k) in shapes.items():
@@ -59,12 +59,15 @@ def main(argv: list[str] | None = None) -> None:
                 w = torch.from_numpy(gguf_dequantized(blocks, kind, n, k))
                 packed, fmt = gguf_kernels.pack(block_scales(blocks, kind, n, k), w)
                 weights["gguf"].append((packed, fmt))
+                if gguf_kernels.interleavable(n, *fmt):
+                    weights["x16"].append(gguf_kernels.pack(block_scales(blocks, kind, n, k), w, interleave=True))
                 weights["dense"].append(torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None))
                 if int4 is not None and kind in ("q4_0", "q4_1", "q4_k"):
                     s = torch.rand(n, k // 32) * 0.02
                     weights["int4"].append(quant_kernels.pack(torch.randint(0, 16, (n, k)), s.bfloat16(), s.bfloat16(), 32))
-        if not weights["int4"]:
-            del weights["int4"]
+        for extra in ("int4", "x16"):
+            if not weights[extra]:
+                del weights[extra]
         held = sum(p.numel() for p, _ in weights["gguf"])
         print(f"\n{kind}: shapes {list(shapes.values())}, {held / 2**20:.1f} MiB held by the GGUF layout")
         candidates = {
@@ -74,6 +77,11 @@ def main(argv: list[str] | None = None) -> None:
             "many-i8": lambda x, i: kernels.gemm(x, *weights["gguf"][i][:1], *weights["gguf"][i][1], 1, False, True),
             "dense": lambda x, i: torch.ops.mkldnn._linear_pointwise(x, weights["dense"][i], None, "none", [], ""),
         }
+        if "x16" in weights:  # the interleaved layout (Q4_0, Q4_1): few rows, and the panels read from it
+            candidates["rows-x16"] = lambda x, i: kernels.gemm(x, weights["x16"][i][0], *weights["x16"][i][1], 0, False,
+                                                               False, gguf_kernels.X16_ROWS)
+            candidates["many-x16"] = lambda x, i: kernels.gemm(x, weights["x16"][i][0], *weights["x16"][i][1], 1, False,
+                                                               False, gguf_kernels.X16_ROWS)
         if "int4" in weights:
             candidates["int4"] = lambda x, i: int4.int4_gemm(x, weights["int4"][i])
         print(f"{'M':>4} | " + " | ".join(f"{c:>8}" for c in candidates) + " | best")

@@ -37,6 +37,7 @@ constexpr int64_t PANEL = 32;             // many rows: weight rows dequantized 
 // scales and offsets. bits 2 and 3 are held as 4.
 struct Format {
   int bits, group, super_block;
+  bool interleaved = false;  // 4- or 8-bit codes in one-level groups of 32, 16 rows interleaved (see X16 below)
   bool two_level() const { return super_block != group; }
   int64_t chunk_bytes() const { return bits == 8 ? 64 : 32 + 8 * (bits - 4); }
   int64_t row_bytes(int64_t K) const {
@@ -656,17 +657,39 @@ inline void tile_any(const uint8_t* w, const Ctx& ctx, int64_t n, int64_t m0) {
   tile<BITS, G, R, MT>(w, ctx, n, m0);
 }
 
+// Bytes next .. target - 1 of w toward the cache (next advances): a call streams its weights once,
+// too briefly for the hardware prefetchers to ramp up.
+inline void prefetch_until(const uint8_t* w, int64_t& next, int64_t target) {
+  for (; next < target; next += 64) _mm_prefetch(reinterpret_cast<const char*>(w) + next, _MM_HINT_T0);
+}
+
+// M x rows in passes of up to ROWS_PER_PASS (each pass reads the weights once): fn(mt, m0) with
+// the pass's row count as a compile-time constant (std::integral_constant<int, MT>).
+template <typename Fn>
+void for_each_pass(int64_t M, Fn&& fn) {
+  for (int64_t m0 = 0; m0 < M; m0 += ROWS_PER_PASS) {
+    switch (std::min<int64_t>(ROWS_PER_PASS, M - m0)) {
+      case 8: fn(std::integral_constant<int, 8>{}, m0); break;
+      case 7: fn(std::integral_constant<int, 7>{}, m0); break;
+      case 6: fn(std::integral_constant<int, 6>{}, m0); break;
+      case 5: fn(std::integral_constant<int, 5>{}, m0); break;
+      case 4: fn(std::integral_constant<int, 4>{}, m0); break;
+      case 3: fn(std::integral_constant<int, 3>{}, m0); break;
+      case 2: fn(std::integral_constant<int, 2>{}, m0); break;
+      default: fn(std::integral_constant<int, 1>{}, m0);
+    }
+  }
+}
+
 template <int BITS, int G, int MT>
 void rows_range(const uint8_t* w, const Ctx& ctx, int64_t m0, int64_t n0, int64_t n1) {
   constexpr int R = MT == 1 ? 4 : MT == 2 ? 2 : 1;
   const int64_t stride = ctx.f.row_bytes(ctx.K);
-  const char* base = reinterpret_cast<const char*>(w);
   const int64_t end = n1 * stride;
   int64_t next = n0 * stride;
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
-    const int64_t target = std::min(end, (n + R) * stride + PREFETCH_BYTES);
-    for (; next < target; next += 64) _mm_prefetch(base + next, _MM_HINT_T0);
+    prefetch_until(w, next, std::min(end, (n + R) * stride + PREFETCH_BYTES));
     tile_any<BITS, G, R, MT>(w + n * stride, ctx, n, m0);
   }
   for (; n < n1; ++n) tile_any<BITS, G, 1, MT>(w + n * stride, ctx, n, m0);
@@ -675,19 +698,128 @@ void rows_range(const uint8_t* w, const Ctx& ctx, int64_t m0, int64_t n0, int64_
 template <int BITS, int G>
 void gemm_rows(const Ctx& ctx, const uint8_t* w, int64_t M) {
   at::parallel_for(0, ctx.N, ROW_GRAIN, [&](int64_t n0, int64_t n1) {
-    for (int64_t m0 = 0; m0 < M; m0 += ROWS_PER_PASS) {  // each pass reads the weights once
-      switch (std::min<int64_t>(ROWS_PER_PASS, M - m0)) {
-        case 8: rows_range<BITS, G, 8>(w, ctx, m0, n0, n1); break;
-        case 7: rows_range<BITS, G, 7>(w, ctx, m0, n0, n1); break;
-        case 6: rows_range<BITS, G, 6>(w, ctx, m0, n0, n1); break;
-        case 5: rows_range<BITS, G, 5>(w, ctx, m0, n0, n1); break;
-        case 4: rows_range<BITS, G, 4>(w, ctx, m0, n0, n1); break;
-        case 3: rows_range<BITS, G, 3>(w, ctx, m0, n0, n1); break;
-        case 2: rows_range<BITS, G, 2>(w, ctx, m0, n0, n1); break;
-        default: rows_range<BITS, G, 1>(w, ctx, m0, n0, n1);
+    for_each_pass(M, [&](auto mt, int64_t m0) { rows_range<BITS, G, decltype(mt)::value>(w, ctx, m0, n0, n1); });
+  });
+}
+
+// The interleaved layout (Format::interleaved; 4- and 8-bit codes in one-level groups of 32:
+// Q4_0, Q4_1, Q8_0). Weight rows in tiles of 16, each tile 16 row_bytes long: first its codes,
+// units of 64 bytes as 32 16-bit words, word 2l + e of a unit holding codes of row l; then per
+// group of 32 inputs the 16 rows' d (float16), then per group their dm. 4 bits: unit j holds
+// inputs 8j .. 8j + 7, the nibble at bits 4q of word 2l + e is input 8j + 2q + e; 8 bits: unit j
+// holds inputs 4j .. 4j + 3, byte h of word 2l + e is input 4j + 2h + e. So each nibble position
+// of a unit is a vector in which vdpbf16ps lane l is row l and the pair of inputs is the same for
+// every lane: x enters as a broadcast pair, a group's products for 16 rows are summed before one
+// FMA with the 16 rows' scales, and a tile gives 16 outputs with no horizontal sum.
+namespace X16 {
+constexpr int64_t ROWS = 16;
+inline int64_t code_bytes(int64_t K, int bits) { return 2 * bits * K; }                // 16 rows x K x bits / 8
+inline int64_t tile_bytes(int64_t K, int bits) { return code_bytes(K, bits) + 2 * K; }  // + [K / 32][16] d and dm
+inline const uint8_t* tile(const uint8_t* w, int64_t K, int bits, int64_t t) { return w + t * tile_bytes(K, bits); }
+inline const uint16_t* d(const uint8_t* tile, int64_t K, int bits, int64_t g) {
+  return reinterpret_cast<const uint16_t*>(tile + code_bytes(K, bits)) + 16 * g;
+}
+inline const uint16_t* dm(const uint8_t* tile, int64_t K, int bits, int64_t g) {
+  return reinterpret_cast<const uint16_t*>(tile + code_bytes(K, bits) + K) + 16 * g;
+}
+}  // namespace X16
+
+// TILES weight tiles from tile t0 (outputs 16 t0 ..) for MT x rows from m0. Per group: per unit,
+// its four nibble positions as bf16 numbers (4 bits: 128 + u; 8 bits: the low nibble 128 + lo, the
+// high one 2048 + 16 hi, as tile()), positions 0 and 2 into one fp32 chain, 1 and 3 into another,
+// each times x's broadcast pair; then (chains summed) times the rows' scales, plus (dm - 128 d;
+// 8 bits: dm - 2176 d) times x's group sum. The same order of sums for every TILES and MT: an x
+// row gets the same bits in any batch.
+template <int BITS, int MT, int TILES>
+void tile_x16(const uint8_t* w, const Ctx& ctx, int64_t t0, int64_t m0) {
+  constexpr int UNITS = BITS == 4 ? 4 : 8;  // units per group of 32 inputs
+  constexpr int INPUTS = 32 / UNITS;        // inputs of a unit (per row)
+  const int64_t K = ctx.K, groups = K / 32;
+  const uint16_t* xb = ctx.xb + m0 * K;
+  const float* xs = ctx.xs + m0 * groups;
+  const __m512i nibble = _mm512_set1_epi16(0x000f);
+  const __m512i bias = _mm512_set1_epi16(0x4300);                          // bf16 128.0: | u makes 128 + u
+  const __m512i bias_hi = _mm512_set1_epi16(BITS == 8 ? 0x4500 : 0x4300);  // 8 bits: 2048 + 16 hi
+  __m512 res[TILES][MT];
+  for (int tt = 0; tt < TILES; ++tt)
+    for (int m = 0; m < MT; ++m) res[tt][m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 acc0[TILES][MT], acc1[TILES][MT];
+    for (int tt = 0; tt < TILES; ++tt)
+      for (int m = 0; m < MT; ++m) acc0[tt][m] = acc1[tt][m] = _mm512_setzero_ps();
+    for (int u = 0; u < UNITS; ++u) {
+      const int64_t j = UNITS * g + u;
+      for (int tt = 0; tt < TILES; ++tt) {
+        const __m512i v = _mm512_loadu_si512(X16::tile(w, K, BITS, t0 + tt) + 64 * j);
+        const __m512i a = _mm512_ternarylogic_epi32(v, nibble, bias, AND_OR);
+        const __m512i b = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nibble, bias_hi, AND_OR);
+        const __m512i c = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 8), nibble, bias, AND_OR);
+        const __m512i d = _mm512_or_si512(_mm512_srli_epi16(v, 12), bias_hi);
+        for (int m = 0; m < MT; ++m) {
+          // x's pairs, broadcast from memory (through an integer register they cost a shift and a
+          // GPR-to-vector move each): 4 bits, a b c d take inputs 8j + 2q, + 1 (q = 0 .. 3);
+          // 8 bits, a and b the pair 4j, 4j + 1, c and d the pair 4j + 2, 4j + 3
+          const float* x2 = reinterpret_cast<const float*>(xb + m * K + INPUTS * j);
+          auto pair = [&](int q) { return (__m512bh)_mm512_broadcastss_ps(_mm_load_ss(x2 + q)); };
+          acc0[tt][m] = _mm512_dpbf16_ps(acc0[tt][m], (__m512bh)a, pair(0));
+          acc1[tt][m] = _mm512_dpbf16_ps(acc1[tt][m], (__m512bh)b, pair(BITS == 4 ? 1 : 0));
+          acc0[tt][m] = _mm512_dpbf16_ps(acc0[tt][m], (__m512bh)c, pair(BITS == 4 ? 2 : 1));
+          acc1[tt][m] = _mm512_dpbf16_ps(acc1[tt][m], (__m512bh)d, pair(BITS == 4 ? 3 : 1));
+        }
       }
     }
+    for (int tt = 0; tt < TILES; ++tt) {
+      const uint8_t* tile = X16::tile(w, K, BITS, t0 + tt);
+      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(X16::d(tile, K, BITS, g))));
+      const __m512 offset = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(X16::dm(tile, K, BITS, g))));
+      const __m512 lifted = _mm512_fmadd_ps(scale, _mm512_set1_ps(BITS == 8 ? -2176.f : -128.f), offset);
+      for (int m = 0; m < MT; ++m) {
+        res[tt][m] = _mm512_fmadd_ps(_mm512_add_ps(acc0[tt][m], acc1[tt][m]), scale, res[tt][m]);
+        res[tt][m] = _mm512_fmadd_ps(lifted, _mm512_set1_ps(xs[m * groups + g]), res[tt][m]);
+      }
+    }
+  }
+  for (int tt = 0; tt < TILES; ++tt)
+    for (int m = 0; m < MT; ++m)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ctx.out + (m0 + m) * ctx.N + X16::ROWS * (t0 + tt)),
+                          (__m256i)_mm512_cvtneps_pbh(res[tt][m]));
+}
+
+// Tiles t0 .. t1 - 1 for MT x rows from m0, several tiles at a time for few x rows (one x row:
+// four tiles, eight FMA chains in flight), with software prefetch ahead as rows_range.
+template <int BITS, int MT>
+void tiles_range_x16(const uint8_t* w, const Ctx& ctx, int64_t m0, int64_t t0, int64_t t1) {
+  constexpr int TILES = MT == 1 ? 4 : MT <= 3 ? 2 : 1;
+  const int64_t tb = X16::tile_bytes(ctx.K, BITS);
+  const int64_t end = t1 * tb;
+  int64_t next = t0 * tb;
+  int64_t t = t0;
+  for (; t + TILES <= t1; t += TILES) {
+    prefetch_until(w, next, std::min(end, (t + TILES) * tb + PREFETCH_BYTES));
+    tile_x16<BITS, MT, TILES>(w, ctx, t, m0);
+  }
+  for (; t < t1; ++t) tile_x16<BITS, MT, 1>(w, ctx, t, m0);
+}
+
+template <int BITS>
+void gemm_rows_x16(const Ctx& ctx, const uint8_t* w, int64_t M) {
+  at::parallel_for(0, ctx.N / X16::ROWS, 1, [&](int64_t t0, int64_t t1) {
+    for_each_pass(M, [&](auto mt, int64_t m0) { tiles_range_x16<BITS, decltype(mt)::value>(w, ctx, m0, t0, t1); });
   });
+}
+
+// Row n of an interleaved weight as bfloat16 (scale * u + offset, rounded once) into dst [K].
+void dequantize_row_x16(const uint8_t* w, int64_t K, int bits, int64_t n, uint16_t* dst) {
+  const uint8_t* tile = X16::tile(w, K, bits, n / X16::ROWS);
+  const int64_t l = n % X16::ROWS, per = 32 / bits;  // inputs of a unit per row: 8 or 4
+  for (int64_t i = 0; i < K; ++i) {
+    const int64_t j = i / per, q = i % per / 2, e = i % 2, g = i / 32;  // q: the nibble (4 bits) or byte (8)
+    uint16_t word;
+    std::memcpy(&word, tile + 64 * j + 2 * (2 * l + e), 2);
+    const float u = float((word >> (bits * q)) & ((1 << bits) - 1));
+    const float scale = _cvtsh_ss(X16::d(tile, K, bits, g)[l]), offset = _cvtsh_ss(X16::dm(tile, K, bits, g)[l]);
+    dst[i] = f_to_bf16(std::fma(u, scale, offset));
+  }
 }
 
 // Row n of the weight as bfloat16 (scale * u + offset, rounded once) into dst [K].
@@ -776,6 +908,50 @@ void dequantize_b_tiles(const uint8_t* w, int64_t stride, int64_t K, const Forma
   }
 }
 
+// dequantize_b_tiles for an interleaved weight tile (16 rows): each pair of inputs of a unit is
+// already one vector over the 16 rows (lane l: row l; its even input in the low word's bits,
+// its odd one in the high word's), so it becomes one B-tile row with no transpose: both inputs
+// times the rows' group scale plus offset in fp32, rounded once.
+template <int BITS>
+void dequantize_b_tiles_x16(const uint8_t* tile, int64_t K, uint32_t* dst, int64_t tiles_apart) {
+  constexpr int UNITS = BITS == 4 ? 4 : 8, PAIRS = 16 / BITS;  // per group; pairs per unit: 4 or 2
+  alignas(64) static const uint16_t pairs_of[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                    8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_load_si512(pairs_of);  // element 2i: input a of row i, 2i + 1: input b
+  const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
+  for (int64_t g = 0; g < K / 32; ++g) {
+    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(X16::d(tile, K, BITS, g))));
+    const __m512 o = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(X16::dm(tile, K, BITS, g))));
+    for (int u = 0; u < UNITS; ++u) {
+      const int64_t j = UNITS * g + u;
+      const __m512i v = _mm512_loadu_si512(tile + 64 * j);
+      for (int q = 0; q < PAIRS; ++q) {  // pair p = PAIRS j + q: its even input at bits BITS q, its odd at 16 + BITS q
+        const __m512i codes = _mm512_srli_epi32(v, BITS * q);
+        const __m512 even = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(codes, mask)), s, o);
+        const __m512 odd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(codes, 16), mask)), s, o);
+        const __m512i pair = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
+        const int64_t p = PAIRS * j + q;
+        _mm512_storeu_si512(dst + (p / 16) * tiles_apart * 256 + (p % 16) * 16, pair);
+      }
+    }
+  }
+}
+
+// A panel's 32 weight rows from n0 (either layout) as bf16 in the B tiles' pair layout: two tiles
+// of 16 rows per 32 inputs, [K / 32][2][16 pairs][16 rows] uint32.
+template <int BITS, int G>
+void dequantize_panel(const Ctx& ctx, const uint8_t* w, int64_t n0, uint32_t* panel, float* scratch) {
+  const int64_t K = ctx.K, stride = ctx.f.row_bytes(K);
+  for (int half = 0; half < 2; ++half) {
+    if (ctx.f.interleaved) {
+      if constexpr (BITS == 4 || BITS == 8)
+        dequantize_b_tiles_x16<BITS>(X16::tile(w, K, BITS, n0 / 16 + half), K, panel + 256 * half, 2);
+    } else {
+      dequantize_b_tiles<BITS, G>(w + (n0 + 16 * half) * stride, stride, K, ctx.f, panel + 256 * half, 2, scratch);
+    }
+  }
+}
+
 // The many-rows path without AMX (AVX-512 BF16): each 32-row panel of the weight dequantized to
 // bf16 once per call, in the same pair layout as AMX's B tiles, then a register-blocked
 // vdpbf16ps kernel: per input pair, the panel's two vectors (16 weight rows x 2 inputs each) times
@@ -816,9 +992,7 @@ void gemm_panel(const Ctx& ctx, const uint8_t* w, int64_t M) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * PANEL;
       prefetch_panel(w, stride, p, p1);
-      for (int half = 0; half < 2; ++half)
-        dequantize_b_tiles<BITS, G>(w + (n0 + 16 * half) * stride, stride, K, ctx.f, panel.data() + 256 * half, 2,
-                                    scratch.data());
+      dequantize_panel<BITS, G>(ctx, w, n0, panel.data(), scratch.data());
       int64_t m0 = 0;
       for (; m0 + PANEL_MR <= M; m0 += PANEL_MR) panel_rows<PANEL_MR>(panel.data(), ctx.xb, K, N, m0, n0, ctx.out);
       switch (M - m0) {
@@ -866,9 +1040,7 @@ void gemm_amx(const Ctx& ctx, const uint8_t* w, int64_t M) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * PANEL;
       prefetch_panel(w, stride, p, p1);
-      for (int half = 0; half < 2; ++half)
-        dequantize_b_tiles<BITS, G>(w + (n0 + 16 * half) * stride, stride, K, ctx.f, panel.data() + 256 * half, 2,
-                                    scratch.data());
+      dequantize_panel<BITS, G>(ctx, w, n0, panel.data(), scratch.data());
       for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
         const bool two = m0 + 16 < Mp;
         _tile_zero(0);
@@ -918,6 +1090,9 @@ void gemm_format(const Ctx& ctx, const uint8_t* w, int64_t M, bool many) {
 #endif
     return gemm_panel<BITS, G>(ctx, w, M);
   }
+  if constexpr (BITS == 4 || BITS == 8) {
+    if (ctx.f.interleaved) return gemm_rows_x16<BITS>(ctx, w, M);
+  }
   gemm_rows<BITS, G>(ctx, w, M);
 }
 
@@ -934,10 +1109,13 @@ void dispatch(const Format& f, Fn&& fn) {
 }
 #endif  // PAGED_GGUF_AVX512
 
-Format format_of(int64_t bits, int64_t group, int64_t super_block) {
+Format format_of(int64_t bits, int64_t group, int64_t super_block, int64_t interleave) {
   TORCH_CHECK((group == 16 || group == 32) && super_block % group == 0 && (super_block == group || super_block == 256),
               "gguf kernels: group ", group, " / super-block ", super_block, " not supported");
-  return Format{int(bits < 4 ? 4 : bits), int(group), int(super_block)};
+  TORCH_CHECK(interleave == 1 || (interleave == 16 && (bits == 4 || bits == 8) && group == 32 && super_block == 32),
+              "gguf kernels: interleave ", interleave, " for ", bits, "-bit codes in groups of ", group,
+              " (16 is for 4- and 8-bit codes in one-level groups of 32; else 1)");
+  return Format{int(bits < 4 ? 4 : bits), int(group), int(super_block), interleave == 16};
 }
 
 void check(const at::Tensor& packed, int64_t K, const Format& f, const char* op) {
@@ -946,6 +1124,8 @@ void check(const at::Tensor& packed, int64_t K, const Format& f, const char* op)
   TORCH_CHECK(packed.device().is_cpu() && packed.dim() == 2 && packed.scalar_type() == at::kByte &&
                   packed.size(1) == f.row_bytes(K) && packed.is_contiguous(),
               op, ": packed must be [N, ", f.row_bytes(K), "] uint8 contiguous for K ", K, ", got ", packed.sizes());
+  TORCH_CHECK(!f.interleaved || packed.size(0) % 16 == 0, op, ": an interleaved weight has rows in tiles of 16, got ",
+              packed.size(0));
 }
 
 #ifdef PAGED_GGUF_AVX512
@@ -971,8 +1151,10 @@ void quantize_x(const uint16_t* xb, int64_t M, int64_t K, int8_t* xq, float* dx)
 // x [M, K] bfloat16 times packed [N, row_bytes] -> [M, N] bfloat16; from many_min_rows rows on, AMX
 // tiles (gemm_amx) or, without AMX, AVX-512 panels (gemm_panel; gemm_panel_int8 with int8_panels)
 at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t bits, int64_t group, int64_t super_block,
-                int64_t many_min_rows, bool int8_activations, bool int8_panels) {
-  const Format f = format_of(bits, group, super_block);
+                int64_t many_min_rows, bool int8_activations, bool int8_panels, int64_t interleave) {
+  const Format f = format_of(bits, group, super_block, interleave);
+  TORCH_CHECK(!f.interleaved || !(int8_activations || int8_panels),
+              "gguf_gemm: int8 activations read the row layout (interleave 1), not interleave ", interleave);
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && x_in.device().is_cpu(),
               "gguf_gemm: x must be [M, K] bfloat16 on the CPU, got ", x_in.sizes(), " ", x_in.scalar_type());
   const at::Tensor x = x_in.contiguous();
@@ -1016,7 +1198,7 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t bits, 
   // few rows of 8-bit codes, or of 4-bit codes in whole units of 128 inputs, bf16 x: x in the
   // codes' word order (tile_words; 4-bit rows of 64 more inputs, as the default model's 576, were
   // measured no faster that way: their last half unit costs a whole one)
-  const bool words = !many && !int8 && (f.bits == 8 || (f.bits == 4 && K % 128 == 0));
+  const bool words = !many && !int8 && !f.interleaved && (f.bits == 8 || (f.bits == 4 && K % 128 == 0));
   std::vector<uint16_t> xw(words ? M * K : 0);
   if (words && f.bits == 4) word_order_x<4>(xb, M, K, xw.data());
   if (words && f.bits == 8) word_order_x<8>(xb, M, K, xw.data());
@@ -1030,8 +1212,8 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t bits, 
 
 // rows ids of the weight, dequantized -> [T, K] bfloat16 (the embedding table)
 at::Tensor dequantize_rows(const at::Tensor& packed, const at::Tensor& ids_in, int64_t K, int64_t bits, int64_t group,
-                           int64_t super_block) {
-  const Format f = format_of(bits, group, super_block);
+                           int64_t super_block, int64_t interleave) {
+  const Format f = format_of(bits, group, super_block, interleave);
   check(packed, K, f, "gguf_dequantize_rows");
   const at::Tensor ids = ids_in.to(at::kLong).contiguous();
   const int64_t T = ids.numel(), N = packed.size(0);
@@ -1042,6 +1224,12 @@ at::Tensor dequantize_rows(const at::Tensor& packed, const at::Tensor& ids_in, i
   const uint8_t* w = packed.data_ptr<uint8_t>();
   uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t stride = f.row_bytes(K);
+  if (f.interleaved) {
+    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) dequantize_row_x16(w, K, f.bits, id[t], o + t * K);
+    });
+    return out;
+  }
   dispatch(f, [&](auto b, auto g) {
     at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
       std::vector<float> scratch(2 * (K / f.group));
@@ -1066,8 +1254,8 @@ bool kernels_int8_activations() {
 }  // namespace
 
 TORCH_LIBRARY(paged_gguf, m) {  // CPU kernels below; fakes in Python
-  m.def("gemm(Tensor x, Tensor packed, int bits, int group, int super_block, int many_min_rows, bool int8_activations, bool int8_panels) -> Tensor");
-  m.def("dequantize_rows(Tensor packed, Tensor ids, int K, int bits, int group, int super_block) -> Tensor");
+  m.def("gemm(Tensor x, Tensor packed, int bits, int group, int super_block, int many_min_rows, bool int8_activations, bool int8_panels, int interleave=1) -> Tensor");
+  m.def("dequantize_rows(Tensor packed, Tensor ids, int K, int bits, int group, int super_block, int interleave=1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(paged_gguf, CPU, m) {
@@ -1078,8 +1266,11 @@ TORCH_LIBRARY_IMPL(paged_gguf, CPU, m) {
 namespace py = pybind11;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {  // eager calls without the dispatcher; the GIL released while they run
-  m.def("gemm", &gemm, py::call_guard<py::gil_scoped_release>());
-  m.def("dequantize_rows", &dequantize_rows, py::call_guard<py::gil_scoped_release>());
+  m.def("gemm", &gemm, py::arg("x"), py::arg("packed"), py::arg("bits"), py::arg("group"), py::arg("super_block"),
+        py::arg("many_min_rows"), py::arg("int8_activations"), py::arg("int8_panels"), py::arg("interleave") = 1,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("dequantize_rows", &dequantize_rows, py::arg("packed"), py::arg("ids"), py::arg("K"), py::arg("bits"),
+        py::arg("group"), py::arg("super_block"), py::arg("interleave") = 1, py::call_guard<py::gil_scoped_release>());
   m.def("available", &kernels_available);
   m.def("amx_available", &kernels_amx);
   m.def("int8_activations_available", &kernels_int8_activations);

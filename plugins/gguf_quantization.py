@@ -17,9 +17,10 @@ from __future__ import annotations
 import functools
 import json
 import logging
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from paged.core.loading.gguf_blocks import TYPES
 from paged.core.quantization import BlockScales
@@ -50,6 +51,26 @@ class GGUFOptions(BaseModel):
         "per 32 inputs and the panels' codes kept as bytes, multiplied with vpdpbusd (AVX-512 VNNI); false = bfloat16 "
         "panels (the weights dequantized and rounded to bf16, vdpbf16ps)",
     )
+    interleave_types: tuple[str, ...] = Field(
+        ("q4_0", "q4_1"), description="the GGUF types (of q4_0, q4_1, q8_0; a list or a comma-separated string, empty = "
+        "none) kept in the interleaved layout where their rows are a multiple of 16: 16 rows' codes side by side, so "
+        "that a vdpbf16ps lane is a weight row and an x row enters as a broadcast pair (benchmarks/gguf_gemm.py, 2-core "
+        "EPYC: Q4_1 2-8 rows 11-27% faster, panels 6-16%, one row level; Q8_0 8+ rows 7-21% faster but one row 5-14% "
+        "slower end to end, so not by default). The int8 paths (int8_activations, int8_panels) read the row layout, "
+        "so either of them turns this off",
+    )
+
+    @field_validator("interleave_types", mode="before")
+    @classmethod
+    def _interleavable(cls, value: Any) -> Any:
+        if isinstance(value, str):  # --quantization-option interleave_types=q4_0,q4_1,q8_0
+            value = tuple(part.strip() for part in value.split(",") if part.strip())
+        bad = [kind for kind in value if kind not in gguf_kernels.INTERLEAVABLE_TYPES]
+        if bad:
+            raise ValueError(f"interleave_types: {bad} cannot be interleaved; accepted: "
+                             f"{', '.join(gguf_kernels.INTERLEAVABLE_TYPES)} (or none)")
+        return value
+
     kernel: bool = Field(True, description="paged's C++ kernels (AVX-512 BF16); false = torch ops (slow)")
 
 
@@ -82,6 +103,9 @@ class GGUFWeight:
         if options.int8_panels and (self.kernels is None or amx or not self.kernels.int8_activations_available()):
             _warn_once("gguf: int8_panels changes nothing here: it needs the GGUF kernels on a CPU with AVX-512 VNNI "
                        "and without AMX (many rows run the bfloat16 panels, or AMX tiles)")
+        # the interleaved layout where the options ask for it (the int8 paths read rows); 1 = the row layout
+        self.wants_interleave = kind in options.interleave_types and not (options.int8_activations or options.int8_panels)
+        self.interleave = 1
         self.packed: torch.Tensor | None = None
         self.fmt: tuple[int, int, int] = (0, 0, 0)
         self.codes = self.scale = self.offset = None
@@ -91,7 +115,9 @@ class GGUFWeight:
         self = cls(tuple(weight.shape), weight.dtype, options, scales.kind)
         if self.kernels is not None and weight.dtype == torch.bfloat16:
             try:
-                self.packed, self.fmt = gguf_kernels.pack(scales, weight)
+                self.packed, self.fmt = gguf_kernels.pack(scales, weight, interleave=self.wants_interleave)
+                if self.wants_interleave and gguf_kernels.interleavable(self.shape[0], *self.fmt):
+                    self.interleave = gguf_kernels.X16_ROWS
                 return self
             except ValueError:
                 pass  # scales the layout cannot hold exactly (a float16 overflow): the torch form below
@@ -112,10 +138,10 @@ class GGUFWeight:
             xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
             if torch.compiler.is_compiling():
                 out = gguf_kernels.gemm(xb, self.packed, self.fmt, self.many_min_rows, self.int8_activations,
-                                        self.int8_panels)
+                                        self.int8_panels, self.interleave)
             else:
                 out = self.kernels.gemm(xb, self.packed, *self.fmt, self.many_min_rows, self.int8_activations,
-                                        self.int8_panels)
+                                        self.int8_panels, self.interleave)
             if x.dtype != torch.bfloat16:  # (a no-op .to still costs ~1 us, 121 times a decode step)
                 out = out.to(x.dtype)
         else:
@@ -126,9 +152,9 @@ class GGUFWeight:
         if self.packed is not None:
             flat = ids.reshape(-1)
             if torch.compiler.is_compiling():
-                rows = gguf_kernels.dequantize_rows(self.packed, flat, self.shape[1], self.fmt)
+                rows = gguf_kernels.dequantize_rows(self.packed, flat, self.shape[1], self.fmt, self.interleave)
             else:
-                rows = self.kernels.dequantize_rows(self.packed, flat, self.shape[1], *self.fmt)
+                rows = self.kernels.dequantize_rows(self.packed, flat, self.shape[1], *self.fmt, self.interleave)
             return rows.to(self.dtype).view(*ids.shape, self.shape[1])
         return self._dequantize_rows(ids.reshape(-1)).view(*ids.shape, self.shape[1])
 
@@ -156,6 +182,7 @@ class GGUFWeight:
         meta = {"shape": json.dumps(self.shape), "dtype": str(self.dtype).removeprefix("torch."),
                 "fmt": json.dumps(self.fmt), "kind": self.kind}
         if self.packed is not None:
+            meta["interleave"] = str(self.interleave)
             return {"packed": self.packed}, meta
         return {"codes": self.codes, "scale": self.scale, "offset": self.offset}, meta
 
@@ -167,6 +194,11 @@ class GGUFWeight:
         if "packed" in tensors:
             if self.kernels is None:
                 return None  # packed for kernels this process does not have: quantize again
+            self.interleave = int(meta.get("interleave", "1"))  # caches from before the interleaved layout: rows
+            wanted = gguf_kernels.X16_ROWS if (self.wants_interleave and gguf_kernels.interleavable(
+                self.shape[0], *self.fmt)) else 1
+            if self.interleave != wanted:
+                return None  # packed in the other layout than these options ask for: pack again
             self.packed = tensors["packed"]
         else:
             if self.kernels is not None and self.dtype == torch.bfloat16:

@@ -252,8 +252,7 @@ def test_grouped_rows_match_brute_force(kernel, dtype, window, cap, contexts):
 @pytest.mark.parametrize("group", [1, 4])
 def test_grouped_rows_of_any_head_dim_and_group_match_brute_force(kernel, dtype, head_dim, group):
     """The same for head dims with a scalar tail (8: no whole vector; 80: one past 64), fp16's
-    generic widening, one query head per KV head (a tile is widened once into fp32 from 4 states
-    of a KV head on: here groups of 4+ rows) and 4 (from one row on)."""
+    generic widening, and one or four query heads per KV head, in groups of 5, 1 and 4 rows."""
     check_grouped_rows(dtype, 0, 0.0, [130, 7, 64], group=group, head_dim=head_dim, sizes=[5, 1, 4])
 
 

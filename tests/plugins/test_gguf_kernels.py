@@ -48,6 +48,11 @@ def test_products_match_float64_with_gguf_weights(kind, tail):
     int8 = quantize_gguf(exact.bfloat16(), scales, GGUFOptions(amx_min_rows=0, panel_min_rows=0, int8_activations=True))
     many = quantize_gguf(exact.bfloat16(), scales, GGUFOptions(amx_min_rows=1, panel_min_rows=1))
     many8 = quantize_gguf(exact.bfloat16(), scales, GGUFOptions(amx_min_rows=1, panel_min_rows=1, int8_panels=True))
+    # every type that can take the interleaved layout in it (by default only Q4_0 and Q4_1 do), few rows and panels
+    interleaved = [quantize_gguf(exact.bfloat16(), scales, GGUFOptions(amx_min_rows=a, panel_min_rows=a,
+                                                                       interleave_types=gguf_kernels.INTERLEAVABLE_TYPES))
+                   for a in (0, 1)]
+    assert all(x.interleave == (16 if kind in gguf_kernels.INTERLEAVABLE_TYPES else 1) for x in interleaved)
     gen = torch.Generator().manual_seed(1)
     for m in (1, 2, 3, 4, 5, 7, 9, 14, 33):  # the panels' row tails 1-7 and whole blocks of 8
         x = torch.randn(m, exact.shape[1], generator=gen).bfloat16()
@@ -60,6 +65,8 @@ def test_products_match_float64_with_gguf_weights(kind, tail):
         assert _relative_error(many.linear(x, None), ref) < 1e-2, m
         # which is the weights rounded to bf16 once, then fp32 sums and one rounding of each output
         assert _relative_error(many.linear(x, None), x.double() @ exact.bfloat16().double().T) < 5e-3, m
+        assert _relative_error(interleaved[0].linear(x, None), ref) < 1e-2, m
+        assert _relative_error(interleaved[1].linear(x, None), x.double() @ exact.bfloat16().double().T) < 5e-3, m
         # with int8_panels (CPUs with VNNI, not AMX): x rounded to int8 per 32 inputs, as the few-rows int8 path
         assert _relative_error(many8.linear(x, None), ref) < (3e-2 if KERNELS.int8_activations_available() else 1e-2), m
     bias = torch.randn(exact.shape[0]).bfloat16()
@@ -75,13 +82,62 @@ def test_few_rows_give_an_x_row_the_same_bits_in_any_batch(kind, tail):
     weight rows' tile: a decode step (1 row) and a speculative verification (k + 1 rows) give one
     token the same logits, so greedy outputs do not depend on the batch. (512 inputs: 4- and 8-bit
     codes in the codes' word order, tile_words; 576: 4-bit codes per chunk, tile.)"""
-    exact, scales = _weight(kind, n=37, k=_tail_k(kind) if tail else 512, seed=4)  # 37: tiles of 4 weight rows and a tail
-    for int8 in (False, True):
-        w = quantize_gguf(exact.bfloat16(), scales, GGUFOptions(amx_min_rows=0, panel_min_rows=0, int8_activations=int8))
-        x = torch.randn(11, exact.shape[1], generator=torch.Generator().manual_seed(6)).bfloat16()
-        alone = torch.cat([w.linear(x[i : i + 1], None) for i in range(11)])
-        for m in (2, 3, 5, 8, 11):  # every x-row tile, and passes of 8 plus a tail
-            assert torch.equal(w.linear(x[:m], None), alone[:m]), (int8, m)
+    # 37 rows: tiles of 4 weight rows and a tail (the row layout); 48: Q4_0/Q4_1/Q8_0 in the interleaved
+    # layout (three tiles of 16: for one x row four tiles at a time, so none; two for 2-3 x rows)
+    for n in (37, 48):
+        exact, scales = _weight(kind, n=n, k=_tail_k(kind) if tail else 512, seed=4)
+        for int8 in (False, True):
+            w = quantize_gguf(exact.bfloat16(), scales, GGUFOptions(amx_min_rows=0, panel_min_rows=0, int8_activations=int8,
+                                                                    interleave_types=gguf_kernels.INTERLEAVABLE_TYPES))
+            x = torch.randn(11, exact.shape[1], generator=torch.Generator().manual_seed(6)).bfloat16()
+            alone = torch.cat([w.linear(x[i : i + 1], None) for i in range(11)])
+            for m in (2, 3, 5, 8, 11):  # every x-row tile, and passes of 8 plus a tail
+                assert torch.equal(w.linear(x[:m], None), alone[:m]), (n, int8, m)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0"])
+def test_the_interleaved_layout_puts_each_code_where_its_docstring_says(kind):
+    """``pack_x16`` against the layout written out by hand, code by code: in tile t, word 2l + e of
+    unit j holds row 16t + l's input 8j + 2q + e at bits 4q (4 bits) or 4j + 2q + e at bits 8q (8
+    bits: q8_0's codes as unsigned c + 128, offset -128 d); then each tile's scales and offsets per
+    group for its 16 rows. Q4_0, Q4_1 and Q8_0 with rows a multiple of 16 take it by default; not
+    with the int8 paths, nor with other row counts."""
+    n, k = 32, 64
+    exact, scales = _weight(kind, n=n, k=k, seed=8)
+    assert quantize_gguf(exact.bfloat16(), scales, None).interleave == (16 if kind in ("q4_0", "q4_1") else 1)
+    w = quantize_gguf(exact.bfloat16(), scales, GGUFOptions(interleave_types=(kind,)))
+    assert w.interleave == gguf_kernels.X16_ROWS
+    packed = w.packed.view(-1).tolist()
+    bits = gguf_blocks.TYPES[kind].bits
+    codes = (scales.codes(exact.bfloat16()).to(torch.int32) + (128 if kind == "q8_0" else 0)).tolist()
+    offset = -128.0 * scales.scale.float() if kind == "q8_0" else scales.offset
+    per = 32 // bits  # a unit's inputs of one row
+    tile_bytes = 16 * gguf_kernels.row_bytes(k, bits, 32, 32)
+    for row in range(n):
+        t, l = divmod(row, 16)
+        for i in range(k):
+            j, q, e = i // per, i % per // 2, i % 2
+            at = t * tile_bytes + 64 * j + 2 * (2 * l + e)
+            word = packed[at] | packed[at + 1] << 8
+            assert (word >> bits * q) & (2**bits - 1) == codes[row][i], (row, i)
+        for g in range(k // 32):
+            for field, values in ((0, scales.scale), (1, offset)):
+                at = t * tile_bytes + 2 * bits * k + field * k + 2 * (16 * g + l)
+                half = torch.tensor([packed[at], packed[at + 1]], dtype=torch.uint8).view(torch.float16)
+                assert half.item() == values[row, g].item(), (row, g, field)
+    for options in ({"int8_activations": True}, {"int8_panels": True}, {"interleave_types": ()}):
+        options = GGUFOptions(interleave_types=(kind,)).model_copy(update=options)
+        assert quantize_gguf(exact.bfloat16(), scales, options).interleave == 1, options
+    # not whole tiles of 16 rows
+    assert quantize_gguf(*_weight(kind, n=40, k=k), GGUFOptions(interleave_types=(kind,))).interleave == 1
+
+
+def test_interleave_types_name_what_they_accept():
+    assert GGUFOptions(interleave_types="q8_0, q4_1").interleave_types == ("q8_0", "q4_1")  # as a --quantization-option
+    assert GGUFOptions(interleave_types="").interleave_types == ()
+    with pytest.raises(ValueError, match=r"interleave_types: \['q5_0'\] cannot be interleaved; accepted: q4_0, q4_1, q8_0"):
+        GGUFOptions(interleave_types="q4_0,q5_0")
 
 
 def _int8_reference(x: torch.Tensor, exact: torch.Tensor, scales) -> torch.Tensor:
@@ -166,6 +222,24 @@ def test_a_cached_gguf_weight_is_read_back_as_it_was_packed():
     assert torch.equal(back.linear(x, None), w.linear(x, None)) and back.nbytes() == w.nbytes()
     # packed for kernels a process without them cannot run: quantized again there
     assert GGUFWeight.restore(tensors, meta, GGUFOptions(kernel=False)) is None
+
+
+@needs_kernels
+def test_a_cached_interleaved_weight_is_packed_again_for_options_that_read_rows():
+    exact, scales = _weight("q4_1")
+    w = quantize_gguf(exact.bfloat16(), scales, None)
+    tensors, meta = w.cache_tensors()
+    assert meta["interleave"] == "16"
+    back = GGUFWeight.restore(dict(tensors), meta, None)
+    x = torch.randn(3, exact.shape[1]).bfloat16()
+    assert back.interleave == 16 and torch.equal(back.linear(x, None), w.linear(x, None))
+    assert GGUFWeight.restore(dict(tensors), meta, GGUFOptions(int8_activations=True)) is None
+    # a cache written before the interleaved layout (no "interleave"): rows, packed again for these options
+    old_meta = {key: value for key, value in meta.items() if key != "interleave"}
+    rows = quantize_gguf(exact.bfloat16(), scales, GGUFOptions(interleave_types=()))
+    assert GGUFWeight.restore(rows.cache_tensors()[0], old_meta, None) is None
+    kept = GGUFWeight.restore(rows.cache_tensors()[0], old_meta, GGUFOptions(interleave_types=()))
+    assert kept.interleave == 1 and torch.equal(kept.linear(x, None), rows.linear(x, None))
 
 
 def test_weights_without_blocks_stay_dense():
