@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -180,10 +181,12 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
         // the next tile's K/V rows of this item's KV heads toward the cache while this one is
         // computed: a head's rows are a strided run (Hkv heads to a position) that the hardware
         // prefetchers follow poorly
+        const int64_t head_bytes = heads_per_item * D * int64_t(sizeof(T));
         for (int64_t t = n; t < n + n_next; ++t)
-          for (int64_t off = 0; off < heads_per_item * D * int64_t(sizeof(T)); off += 64) {
-            __builtin_prefetch(reinterpret_cast<const char*>(kp + rows[t] + h0 * D) + off);
-            __builtin_prefetch(reinterpret_cast<const char*>(vp + rows[t] + h0 * D) + off);
+          for (const T* cache : {kp, vp}) {  // every 64-byte line the item's heads touch
+            const uintptr_t first = reinterpret_cast<uintptr_t>(cache + rows[t] + h0 * D);
+            for (uintptr_t line = first & ~uintptr_t(63); line < first + head_bytes; line += 64)
+              __builtin_prefetch(reinterpret_cast<const void*>(line));
           }
         // One softmax state (row r's query head i) over positions t0 .. t1 - 1 of the tile: the
         // KV head's rows at kf + off[t], vf + off[t], read in place and widened as loaded.
@@ -245,7 +248,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
             ai[d] = a;
           }
         };
-        for (int64_t g = 0; g < ns / (nr * G); ++g) {  // KV head by KV head; each row's heads of its group
+        for (int64_t g = 0; g < heads_per_item; ++g) {  // KV head by KV head; each row's heads of its group
           const T* kh = kp + (h0 + g) * D;
           const T* vh = vp + (h0 + g) * D;
           for (int64_t c = g * nr * G; c < (g + 1) * nr * G; ++c) {

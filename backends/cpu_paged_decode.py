@@ -30,11 +30,14 @@ per-thread fp32 copy of the tile, made once, cost more than it saved when the ca
 memory, as they do in a decode step after the weights streamed by; 5-10% at 256-600 positions.
 With AVX-512 a row is widened by one ``vpmovzxwd`` from memory and a shift (``native_vec.h``; the
 generic vector conversion compiled to two 256-bit widenings and an insert): one row at 3,000
-positions, 30 layers, 4.3 -> 3.3 ms in cache on the 2-core EPYC, and a tile copy no longer pays
-even for a verification's 5 rows x 3 heads, where it had taken 6.4-7.0 to 4.5-4.8 ms before). The
-next tile's K/V rows of the item's KV heads are prefetched while a tile is computed (a head's rows
-are a strided run the hardware prefetchers follow poorly: one row at 900-3,000 positions from
-memory 5-10% faster). Per tile: the tile's scores and their max, one online-softmax update (running max and sum; the accumulator is
+positions, 30 layers, 4.3 -> 3.3 ms in cache on the 2-core EPYC; and a per-thread fp32 copy of
+the tile no longer pays even for a verification's 5 rows x 3 heads: at 900 positions 4.19 in place
+against 4.27 ms copied in cache, 4.73 against 4.78 from memory, and 2 rows at 3,000 positions 5.71
+against 6.70 in cache, where with the old widening the copy had taken 5 rows from 6.4-7.0 to
+4.5-4.8 ms). The next tile's K/V rows of the item's KV heads are prefetched while a tile is
+computed (a head's rows are a strided run the hardware prefetchers follow poorly: one row from
+memory, 30 layers, 900 positions 1.94 -> 1.66 ms, 3,000 positions 9.3 -> 8.4). Per tile: the
+tile's scores and their max, one online-softmax update (running max and sum; the accumulator is
 rescaled once per tile, not once per key), then the tile's V rows weighted into the fp32
 accumulator. Reading every KV head of a tile together makes each block one contiguous run of
 memory, which the hardware prefetchers follow. Only positions below ``seq_len`` are ever read, so

@@ -67,8 +67,11 @@ def worker(args) -> None:
         packed, fmt = weights[(kind, n, k)]
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
 
+        # the row layout; sources from before the interleaved layout take no interleave argument
+        layout = (1,) if "interleave" in (kernels.gemm.__doc__ or "") else ()
+
         def call():
-            return kernels.gemm(x, packed, *fmt, many_min_rows, False, False)
+            return kernels.gemm(x, packed, *fmt, many_min_rows, False, False, *layout)
 
         for _ in range(10):
             out = call()

@@ -751,20 +751,21 @@ void tile_x16(const uint8_t* w, const Ctx& ctx, int64_t t0, int64_t m0) {
       const int64_t j = UNITS * g + u;
       for (int tt = 0; tt < TILES; ++tt) {
         const __m512i v = _mm512_loadu_si512(X16::tile(w, K, BITS, t0 + tt) + 64 * j);
-        const __m512i a = _mm512_ternarylogic_epi32(v, nibble, bias, AND_OR);
-        const __m512i b = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nibble, bias_hi, AND_OR);
-        const __m512i c = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 8), nibble, bias, AND_OR);
-        const __m512i d = _mm512_or_si512(_mm512_srli_epi16(v, 12), bias_hi);
+        // the unit's nibbles at bits 0, 4, 8 and 12 of each word, as bf16 numbers
+        const __m512i n0 = _mm512_ternarylogic_epi32(v, nibble, bias, AND_OR);
+        const __m512i n1 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nibble, bias_hi, AND_OR);
+        const __m512i n2 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 8), nibble, bias, AND_OR);
+        const __m512i n3 = _mm512_or_si512(_mm512_srli_epi16(v, 12), bias_hi);
         for (int m = 0; m < MT; ++m) {
-          // x's pairs, broadcast from memory (through an integer register they cost a shift and a
-          // GPR-to-vector move each): 4 bits, a b c d take inputs 8j + 2q, + 1 (q = 0 .. 3);
-          // 8 bits, a and b the pair 4j, 4j + 1, c and d the pair 4j + 2, 4j + 3
+          // x's input pair p of the unit (inputs INPUTS j + 2p, + 1), broadcast from memory (through
+          // an integer register it cost a shift and a GPR-to-vector move each): 4 bits, nibble
+          // position q takes pair q; 8 bits, positions 0 and 1 pair 0, 2 and 3 pair 1
           const float* x2 = reinterpret_cast<const float*>(xb + m * K + INPUTS * j);
-          auto pair = [&](int q) { return (__m512bh)_mm512_broadcastss_ps(_mm_load_ss(x2 + q)); };
-          acc0[tt][m] = _mm512_dpbf16_ps(acc0[tt][m], (__m512bh)a, pair(0));
-          acc1[tt][m] = _mm512_dpbf16_ps(acc1[tt][m], (__m512bh)b, pair(BITS == 4 ? 1 : 0));
-          acc0[tt][m] = _mm512_dpbf16_ps(acc0[tt][m], (__m512bh)c, pair(BITS == 4 ? 2 : 1));
-          acc1[tt][m] = _mm512_dpbf16_ps(acc1[tt][m], (__m512bh)d, pair(BITS == 4 ? 3 : 1));
+          auto pair = [&](int p) { return (__m512bh)_mm512_broadcastss_ps(_mm_load_ss(x2 + p)); };
+          acc0[tt][m] = _mm512_dpbf16_ps(acc0[tt][m], (__m512bh)n0, pair(0));
+          acc1[tt][m] = _mm512_dpbf16_ps(acc1[tt][m], (__m512bh)n1, pair(BITS == 4 ? 1 : 0));
+          acc0[tt][m] = _mm512_dpbf16_ps(acc0[tt][m], (__m512bh)n2, pair(BITS == 4 ? 2 : 1));
+          acc1[tt][m] = _mm512_dpbf16_ps(acc1[tt][m], (__m512bh)n3, pair(BITS == 4 ? 3 : 1));
         }
       }
     }
@@ -786,7 +787,7 @@ void tile_x16(const uint8_t* w, const Ctx& ctx, int64_t t0, int64_t m0) {
 }
 
 // Tiles t0 .. t1 - 1 for MT x rows from m0, several tiles at a time for few x rows (one x row:
-// four tiles, eight FMA chains in flight), with software prefetch ahead as rows_range.
+// four tiles, eight vdpbf16ps chains in flight), with software prefetch ahead as rows_range.
 template <int BITS, int MT>
 void tiles_range_x16(const uint8_t* w, const Ctx& ctx, int64_t m0, int64_t t0, int64_t t1) {
   constexpr int TILES = MT == 1 ? 4 : MT <= 3 ? 2 : 1;
@@ -1254,8 +1255,8 @@ bool kernels_int8_activations() {
 }  // namespace
 
 TORCH_LIBRARY(paged_gguf, m) {  // CPU kernels below; fakes in Python
-  m.def("gemm(Tensor x, Tensor packed, int bits, int group, int super_block, int many_min_rows, bool int8_activations, bool int8_panels, int interleave=1) -> Tensor");
-  m.def("dequantize_rows(Tensor packed, Tensor ids, int K, int bits, int group, int super_block, int interleave=1) -> Tensor");
+  m.def("gemm(Tensor x, Tensor packed, int bits, int group, int super_block, int many_min_rows, bool int8_activations, bool int8_panels, int interleave) -> Tensor");
+  m.def("dequantize_rows(Tensor packed, Tensor ids, int K, int bits, int group, int super_block, int interleave) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(paged_gguf, CPU, m) {
@@ -1267,10 +1268,10 @@ namespace py = pybind11;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {  // eager calls without the dispatcher; the GIL released while they run
   m.def("gemm", &gemm, py::arg("x"), py::arg("packed"), py::arg("bits"), py::arg("group"), py::arg("super_block"),
-        py::arg("many_min_rows"), py::arg("int8_activations"), py::arg("int8_panels"), py::arg("interleave") = 1,
+        py::arg("many_min_rows"), py::arg("int8_activations"), py::arg("int8_panels"), py::arg("interleave"),
         py::call_guard<py::gil_scoped_release>());
   m.def("dequantize_rows", &dequantize_rows, py::arg("packed"), py::arg("ids"), py::arg("K"), py::arg("bits"),
-        py::arg("group"), py::arg("super_block"), py::arg("interleave") = 1, py::call_guard<py::gil_scoped_release>());
+        py::arg("group"), py::arg("super_block"), py::arg("interleave"), py::call_guard<py::gil_scoped_release>());
   m.def("available", &kernels_available);
   m.def("amx_available", &kernels_amx);
   m.def("int8_activations_available", &kernels_int8_activations);

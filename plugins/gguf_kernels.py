@@ -8,7 +8,8 @@ dm_s * o_g`` (``d_s``, ``dm_s`` float16 per super-block of 256 inputs, ``a_g``, 
 legacy types have one group per super-block and no ``a``/``o``). The packed layout keeps that,
 so nothing is rounded on the way in::
 
-    packed [N, row_bytes] uint8, per row: per 64 inputs the codes (chunk_bytes), then (K-quants)
+    packed [N, row_bytes] uint8 (the row layout; the interleaved one below keeps the size but not
+        the rows), per row: per 64 inputs the codes (chunk_bytes), then (K-quants)
         a [K/G] int8 and o [K/G] int8, then d [K/S] and dm [K/S] float16.
     codes of a 64-input chunk: 32 bytes whose byte j holds input j (low nibble) and input 32 + j
         (high nibble); 5 and 6 bits add 1 or 2 bit planes of 8 bytes (bit i: input i's bit 4 + p);
@@ -124,11 +125,11 @@ def load() -> Any | None:
 @functools.cache
 def _register_fakes() -> None:
     @torch.library.register_fake("paged_gguf::gemm")
-    def _fake_gemm(x, packed, bits, group, super_block, many_min_rows, int8_activations, int8_panels, interleave=1):
+    def _fake_gemm(x, packed, bits, group, super_block, many_min_rows, int8_activations, int8_panels, interleave):
         return x.new_empty(x.shape[0], packed.shape[0])
 
     @torch.library.register_fake("paged_gguf::dequantize_rows")
-    def _fake_rows(packed, ids, K, bits, group, super_block, interleave=1):
+    def _fake_rows(packed, ids, K, bits, group, super_block, interleave):
         return packed.new_empty(ids.numel(), K, dtype=torch.bfloat16)
 
 
@@ -180,6 +181,11 @@ def pack(scales: BlockScales, weight: torch.Tensor, interleave: bool = False) ->
     if scales.kind == "q8_0":  # signed codes: u = c + 128, offset -128 d
         codes = codes + 128
     u = codes.to(torch.int32).view(n, k // CHUNK, CHUNK)
+    if interleave and interleavable(n, bits, group, super_block):
+        dm = scales.offset if scales.kind != "q8_0" else -128.0 * scales.scale.float()
+        packed = pack_x16(u.view(n, k), bits, scales.scale, dm)
+        assert packed.shape[1] == row_bytes(k, bits, group, super_block)
+        return packed, (bits, group, super_block)
     hb = held_bits(bits)
     if hb == 8:
         chunks = [u.to(torch.uint8)]
@@ -187,11 +193,6 @@ def pack(scales: BlockScales, weight: torch.Tensor, interleave: bool = False) ->
         low = u & 15
         chunks = [(low[..., :32] | (low[..., 32:] << 4)).to(torch.uint8)]
         chunks += [_bit_planes((u >> (4 + p)) & 1) for p in range(hb - 4)]
-    if interleave and interleavable(n, bits, group, super_block):
-        dm = scales.offset if scales.kind != "q8_0" else -128.0 * scales.scale.float()
-        packed = pack_x16(u.view(n, k), bits, scales.scale, dm)
-        assert packed.shape[1] == row_bytes(k, bits, group, super_block)
-        return packed, (bits, group, super_block)
     parts = [torch.cat(chunks, dim=-1).reshape(n, -1)]
     if two_level:
         parts += [scales.scale_codes.to(torch.int8).view(torch.uint8), scales.offset_codes.to(torch.int8).view(torch.uint8)]
@@ -221,18 +222,20 @@ def pack_x16(codes: torch.Tensor, bits: int, scale: torch.Tensor, offset: torch.
     words = words.permute(0, 2, 1, 3).contiguous()  # [tile, j, l, e]: word 2l + e of unit j
     code_bytes = torch.stack([words & 0xFF, words >> 8], dim=-1).to(torch.uint8).view(tiles, -1)
     def per_group(values: torch.Tensor, what: str) -> torch.Tensor:  # [N, K/32] -> [tile, K/32 x 16] float16 bytes
-        half = _f16_exact(values, what).view(tiles, X16_ROWS, k // 32).transpose(1, 2).contiguous()
+        half = _f16_exact(values, what).contiguous().view(tiles, X16_ROWS, k // 32).transpose(1, 2).contiguous()
         return half.view(torch.uint8).view(tiles, -1)
     packed = torch.cat([code_bytes, per_group(scale, "a scale"), per_group(offset, "an offset")], dim=1)
     return packed.view(n, -1).contiguous()
 
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: tuple[int, int, int], many_min_rows: int,
-         int8_activations: bool, int8_panels: bool, interleave: int = 1) -> torch.Tensor:
-    """The kernel as the torch op (what ``torch.compile`` traces; eager code calls ``load()``'s)."""
+         int8_activations: bool, int8_panels: bool, interleave: int) -> torch.Tensor:
+    """The kernel as the torch op (what ``torch.compile`` traces; eager code calls ``load()``'s).
+    ``interleave``: 1 for the row layout, ``X16_ROWS`` for the interleaved one (``fmt`` does not say
+    which; the packed bytes have the same size either way, so a wrong value is not detected)."""
     return torch.ops.paged_gguf.gemm(x, packed, *fmt, many_min_rows, int8_activations, int8_panels, interleave)
 
 
 def dequantize_rows(packed: torch.Tensor, ids: torch.Tensor, k: int, fmt: tuple[int, int, int],
-                    interleave: int = 1) -> torch.Tensor:
+                    interleave: int) -> torch.Tensor:
     return torch.ops.paged_gguf.dequantize_rows(packed, ids, k, *fmt, interleave)

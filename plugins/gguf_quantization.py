@@ -55,8 +55,8 @@ class GGUFOptions(BaseModel):
         ("q4_0", "q4_1"), description="the GGUF types (of q4_0, q4_1, q8_0; a list or a comma-separated string, empty = "
         "none) kept in the interleaved layout where their rows are a multiple of 16: 16 rows' codes side by side, so "
         "that a vdpbf16ps lane is a weight row and an x row enters as a broadcast pair (benchmarks/gguf_gemm.py, 2-core "
-        "EPYC: Q4_1 2-8 rows 11-27% faster, panels 6-16%, one row level; Q8_0 8+ rows 7-21% faster but one row 5-14% "
-        "slower end to end, so not by default). The int8 paths (int8_activations, int8_panels) read the row layout, "
+        "EPYC: Q4_1 2-8 rows 11-27% faster, panels at 16-64 rows 6-16% faster and at 128-512 3-6% slower, one row "
+        "level; Q8_0 8+ rows 7-21% faster but one request's decode 6-14% slower end to end, so not by default). The int8 paths (int8_activations, int8_panels) read the row layout, "
         "so either of them turns this off",
     )
 
@@ -86,9 +86,9 @@ def _cpu_only(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
 
 
 class GGUFWeight:
-    """One GGUF weight ``W [N, K]`` in the packed layout (``packed``, ``fmt = (bits, group,
-    super_block)``), or, without the kernels, as ``codes`` uint8 with float32 ``scale`` and
-    ``offset`` per group."""
+    """One GGUF weight ``W [N, K]`` packed for the kernels (``packed``, ``fmt = (bits, group,
+    super_block)``, ``interleave``: 1 for the row layout, 16 for 16 rows interleaved), or, without
+    the kernels, as ``codes`` uint8 with float32 ``scale`` and ``offset`` per group."""
 
     def __init__(self, shape: tuple[int, int], dtype: torch.dtype, options: GGUFOptions, kind: str) -> None:
         self.shape = shape

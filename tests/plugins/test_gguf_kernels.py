@@ -82,9 +82,10 @@ def test_few_rows_give_an_x_row_the_same_bits_in_any_batch(kind, tail):
     weight rows' tile: a decode step (1 row) and a speculative verification (k + 1 rows) give one
     token the same logits, so greedy outputs do not depend on the batch. (512 inputs: 4- and 8-bit
     codes in the codes' word order, tile_words; 576: 4-bit codes per chunk, tile.)"""
-    # 37 rows: tiles of 4 weight rows and a tail (the row layout); 48: Q4_0/Q4_1/Q8_0 in the interleaved
-    # layout (three tiles of 16: for one x row four tiles at a time, so none; two for 2-3 x rows)
-    for n in (37, 48):
+    # 37 rows: tiles of 4 weight rows and a tail (the row layout); 144: Q4_0/Q4_1/Q8_0 in the interleaved
+    # layout, 9 tiles of 16 (one x row takes four tiles at a time, 2-3 x rows two: with one or two
+    # threads every group size and a tail)
+    for n in (37, 144):
         exact, scales = _weight(kind, n=n, k=_tail_k(kind) if tail else 512, seed=4)
         for int8 in (False, True):
             w = quantize_gguf(exact.bfloat16(), scales, GGUFOptions(amx_min_rows=0, panel_min_rows=0, int8_activations=int8,
@@ -183,10 +184,25 @@ def test_int8_panels_compute_int8_activations_times_the_exact_codes(kind, tail):
 @pytest.mark.parametrize("kind", KINDS)
 def test_embedding_rows_are_the_exact_weights_rounded_to_bfloat16(kind):
     exact, scales = _weight(kind, seed=2)
-    w = quantize_gguf(exact.bfloat16(), scales, None)
-    ids = torch.tensor([[0, 95], [7, 7]])
-    assert torch.equal(w.embedding(ids), exact[ids].bfloat16())
-    assert torch.equal(w.dequantize(), exact.bfloat16())
+    for types in ((), gguf_kernels.INTERLEAVABLE_TYPES):  # the row layout, and the interleaved where the type has it
+        w = quantize_gguf(exact.bfloat16(), scales, GGUFOptions(interleave_types=types))
+        ids = torch.tensor([[0, 95], [7, 7]])
+        assert torch.equal(w.embedding(ids), exact[ids].bfloat16()), types
+        assert torch.equal(w.dequantize(), exact.bfloat16()), types
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", gguf_kernels.INTERLEAVABLE_TYPES)
+def test_the_panels_are_the_same_from_either_layout(kind):
+    """Many rows dequantize each weight to bf16 once (``scale * u + offset``, one rounding) from
+    whichever layout holds it, then the same panel kernel runs: the outputs agree bit for bit."""
+    exact, scales = _weight(kind, k=_tail_k(kind), seed=9)
+    rows, interleaved = (quantize_gguf(exact.bfloat16(), scales, GGUFOptions(amx_min_rows=1, panel_min_rows=1,
+                                                                             interleave_types=types))
+                         for types in ((), (kind,)))
+    assert (rows.interleave, interleaved.interleave) == (1, 16)
+    x = torch.randn(19, exact.shape[1], generator=torch.Generator().manual_seed(2)).bfloat16()
+    assert torch.equal(interleaved.linear(x, None), rows.linear(x, None))
 
 
 @pytest.mark.parametrize("kind", ["q4_k", "q6_k", "q8_0", "q5_0"])
