@@ -56,8 +56,8 @@ class GGUFOptions(BaseModel):
         "none) kept in the interleaved layout where their rows are a multiple of 16: 16 rows' codes side by side, so "
         "that a vdpbf16ps lane is a weight row and an x row enters as a broadcast pair (benchmarks/gguf_gemm.py, 2-core "
         "EPYC: Q4_1 2-8 rows 11-27% faster, panels at 16-64 rows 6-16% faster and at 128-512 3-6% slower, one row "
-        "level; Q8_0 8+ rows 7-21% faster but one request's decode 6-14% slower end to end, so not by default). The int8 paths (int8_activations, int8_panels) read the row layout, "
-        "so either of them turns this off",
+        "level; Q8_0 8+ rows 7-21% faster but one request's decode 6-14% slower end to end, so not by default). The "
+        "int8 paths (int8_activations, int8_panels) read the row layout, so either of them turns this off",
     )
 
     @field_validator("interleave_types", mode="before")
