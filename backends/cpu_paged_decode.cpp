@@ -95,6 +95,193 @@ inline void accumulate_rows(float* acc, float alpha, const float* p, const T* v,
   for (int i = 0; i < NV; ++i) std::memcpy(acc + W * i, &a[i], sizeof(vec));
 }
 
+// ---- Query heads in lanes: bf16 caches on CPUs with AVX512-BF16 ----
+// The softmax states of one KV head (its G query heads, for each of the group's rows) are the 16
+// lanes of a vector. A position's scores for all of them are D / 2 `vdpbf16ps`, each multiplying
+// one bf16 pair of the K row (broadcast) by the lanes' query pairs: no widening of K, no
+// horizontal sums, and the cost of a position does not grow with the number of states up to 8
+// (256-bit) or 16 (a verification's 5 rows x 3 heads cost about twice one row's 3 heads). The online
+// softmax runs on the lanes; the V rows are widened once per block of up to 6 states and weighted
+// into each state's fp32 accumulator. A lane's arithmetic is the same whichever states share its
+// vector: a row's attention has the same bits alone (a decode) or in a group (a verification).
+constexpr int LANES = 16;
+constexpr int LANE_BLOCK = 6;  // states whose accumulators (4 vectors each) stay in registers at once
+
+struct LaneChunk {  // up to LANES softmax states of one KV head, one per lane
+  int64_t state[LANES];  // index into the unit's states (acc rows, m, l)
+  int64_t row[LANES];    // the state's query row within the group
+  int used;              // lanes 0 .. used - 1 hold states
+  alignas(64) float m[LANES];
+  alignas(64) float l[LANES];
+};
+
+inline uint32_t load_pair(const c10::BFloat16* p) {  // two bf16 values as one 32-bit word
+  uint32_t w;
+  std::memcpy(&w, p, sizeof w);
+  return w;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// exp_nonpositive / tanh_vec above, 16 lanes at a time
+inline __m512 exp_nonpositive_v(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 big = _mm512_set1_ps(12582912.0f);
+  const __m512 k = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), big), big);
+  const __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187e-06f),
+                                    _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i two_k = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(two_k));
+}
+
+inline __m512 tanh_v(__m512 x) {
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  const __m512 e = exp_nonpositive_v(_mm512_mul_ps(_mm512_set1_ps(-2.0f), _mm512_andnot_ps(sign, x)));
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+  return _mm512_or_ps(t, _mm512_and_ps(sign, x));  // copysign
+}
+
+// acc_s = alpha_s * acc_s + sum_t p[t][s] v_t for NS states (lanes j0 .. j0 + NS - 1 of p's rows),
+// 64 head dims at a time: each V row widened once for the NS states.
+template <int NS, int64_t D>
+inline void accumulate_lanes(float* const* accs, const float* alpha, const float* p, const c10::BFloat16* vh,
+                             const int64_t* off, int64_t t0, int64_t t1) {
+  for (int64_t d = 0; d < D; d += 4 * W) {
+    __m512 a[NS][4];
+    for (int s = 0; s < NS; ++s)
+      for (int i = 0; i < 4; ++i) a[s][i] = _mm512_mul_ps(_mm512_loadu_ps(accs[s] + d + W * i), _mm512_set1_ps(alpha[s]));
+    for (int64_t t = t0; t < t1; ++t) {
+      __m512 v[4];
+      for (int i = 0; i < 4; ++i) v[i] = (__m512)load_vec(vh + off[t] + d + W * i);
+      for (int s = 0; s < NS; ++s) {
+        const __m512 pt = _mm512_set1_ps(p[t * LANES + s]);
+        for (int i = 0; i < 4; ++i) a[s][i] = _mm512_fmadd_ps(pt, v[i], a[s][i]);
+      }
+    }
+    for (int s = 0; s < NS; ++s)
+      for (int i = 0; i < 4; ++i) _mm512_storeu_ps(accs[s] + d + W * i, a[s][i]);
+  }
+}
+
+// Scaled scores of positions t0 .. t1 - 1 (K rows side by side in kt) for the first WIDTH lanes:
+// sp[t][j] = scale * q_j . k_t, each a chain of D / 2 vdpbf16ps (the same in either width).
+template <int WIDTH, int64_t D>
+inline void scores_lanes(const c10::BFloat16* kt, const uint32_t* qt, int64_t t0, int64_t t1, float scale, float* sp) {
+  using V = std::conditional_t<WIDTH == 16, __m512, __m256>;
+  auto zero = [] { if constexpr (WIDTH == 16) return _mm512_setzero_ps(); else return _mm256_setzero_ps(); };
+  auto dot = [](V a, const uint32_t* q, const c10::BFloat16* k) {  // a + the pair at q (lanes) . the pair at k
+    if constexpr (WIDTH == 16)
+      return _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(q), (__m512bh)_mm512_set1_epi32(load_pair(k)));
+    else
+      return _mm256_dpbf16_ps(a, (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)),
+                              (__m256bh)_mm256_set1_epi32(load_pair(k)));
+  };
+  auto store = [scale](float* dst, V a) {
+    if constexpr (WIDTH == 16) _mm512_storeu_ps(dst, _mm512_mul_ps(a, _mm512_set1_ps(scale)));
+    else _mm256_storeu_ps(dst, _mm256_mul_ps(a, _mm256_set1_ps(scale)));
+  };
+  int64_t t = t0;
+  for (; t + 8 <= t1; t += 8) {  // eight positions at a time: eight independent chains
+    V a[8];
+    for (int j = 0; j < 8; ++j) a[j] = zero();
+    for (int64_t p = 0; p < D / 2; ++p)
+      for (int j = 0; j < 8; ++j) a[j] = dot(a[j], qt + p * LANES, kt + (t + j) * D + 2 * p);
+    for (int j = 0; j < 8; ++j) store(sp + (t + j) * LANES, a[j]);
+  }
+  for (; t < t1; ++t) {
+    V a = zero();
+    for (int64_t p = 0; p < D / 2; ++p) a = dot(a, qt + p * LANES, kt + t * D + 2 * p);
+    store(sp + t * LANES, a);
+  }
+}
+
+// One tile for one chunk of states: lane j attends over tile positions t0s[j] .. t1s[j] - 1 (its
+// row's part of the tile; an unused lane has none). K/V rows at kh + off[t], vh + off[t]; qt the
+// chunk's query pairs ([D / 2][LANES] words, lane j = state j's pair); sp scratch [TILE][LANES].
+template <int64_t D>
+void attend_lanes(const c10::BFloat16* kh, const c10::BFloat16* vh, const int64_t* off, LaneChunk& c,
+                  const uint32_t* qt, float* acc, const int32_t* t0s, const int32_t* t1s, float scale, float soft_cap,
+                  float* sp) {
+  int64_t tmin = TILE, tmax = 0;  // the positions any lane needs
+  for (int j = 0; j < c.used; ++j)
+    if (t1s[j] > t0s[j]) tmin = std::min<int64_t>(tmin, t0s[j]), tmax = std::max<int64_t>(tmax, t1s[j]);
+  if (tmax <= tmin) return;
+  constexpr int64_t PAIRS = D / 2;
+  // the tile's K rows copied side by side first, with whole-vector loads in position order (the
+  // pattern the hardware prefetchers follow; broadcasts of single words from the cache rows, 32
+  // per row, were 1.5x slower with the caches coming from memory)
+  alignas(64) c10::BFloat16 kt[TILE * D];
+  for (int64_t u = tmin; u < tmax; ++u)
+    for (int64_t d = 0; d < D; d += 32)
+      _mm512_store_si512(kt + u * D + d, _mm512_loadu_si512(kh + off[u] + d));
+  if (c.used <= 8)  // 256-bit vdpbf16ps: twice as many a cycle; lanes 8-15 are unused (masked below)
+    scores_lanes<8, D>(kt, qt, tmin, tmax, scale, sp);
+  else
+    scores_lanes<16, D>(kt, qt, tmin, tmax, scale, sp);
+  // online softmax on the lanes; a lane's positions outside its range are masked out
+  const __m512i lo = _mm512_loadu_si512(t0s), hi = _mm512_loadu_si512(t1s);
+  auto in_range = [&](int64_t pos) {
+    const __m512i tv = _mm512_set1_epi32(static_cast<int32_t>(pos));
+    return static_cast<__mmask16>(_mm512_cmple_epi32_mask(lo, tv) & _mm512_cmpgt_epi32_mask(hi, tv));
+  };
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 tile_max = minus_inf;
+  for (int64_t u = tmin; u < tmax; ++u) {
+    __m512 s = _mm512_loadu_ps(sp + u * LANES);
+    if (soft_cap > 0.f) {
+      s = _mm512_mul_ps(_mm512_set1_ps(soft_cap), tanh_v(_mm512_mul_ps(s, _mm512_set1_ps(1.0f / soft_cap))));
+      _mm512_storeu_ps(sp + u * LANES, s);
+    }
+    tile_max = _mm512_mask_max_ps(tile_max, in_range(u), tile_max, s);
+  }
+  const __m512 m_old = _mm512_load_ps(c.m);
+  const __m512 m_new = _mm512_max_ps(m_old, tile_max);
+  // 0 where nothing was accumulated yet (m = -inf), 1 where the max did not move
+  const __m512 alpha = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m_old, minus_inf, _CMP_NEQ_OQ),
+                                           exp_nonpositive_v(_mm512_sub_ps(m_old, m_new)));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t u = tmin; u < tmax; ++u) {  // the weights, in place of the scores
+    const __m512 p = _mm512_maskz_mov_ps(in_range(u), exp_nonpositive_v(_mm512_sub_ps(_mm512_loadu_ps(sp + u * LANES), m_new)));
+    _mm512_storeu_ps(sp + u * LANES, p);
+    sum = _mm512_add_ps(sum, p);
+  }
+  _mm512_store_ps(c.l, _mm512_fmadd_ps(_mm512_load_ps(c.l), alpha, sum));
+  _mm512_store_ps(c.m, m_new);
+  // weighted V rows, states in blocks of up to LANE_BLOCK (a weight of 0 adds exactly nothing)
+  alignas(64) float alphas[LANES];
+  _mm512_store_ps(alphas, alpha);
+  const int blocks = (c.used + LANE_BLOCK - 1) / LANE_BLOCK;
+  for (int b = 0, j0 = 0; b < blocks; ++b) {
+    const int ns = (c.used - j0) / (blocks - b);  // near-equal blocks
+    float* accs[LANE_BLOCK];
+    for (int s = 0; s < ns; ++s) accs[s] = acc + c.state[j0 + s] * D;
+    const float* p = sp + j0;
+    switch (ns) {
+      case 1: accumulate_lanes<1, D>(accs, alphas + j0, p, vh, off, tmin, tmax); break;
+      case 2: accumulate_lanes<2, D>(accs, alphas + j0, p, vh, off, tmin, tmax); break;
+      case 3: accumulate_lanes<3, D>(accs, alphas + j0, p, vh, off, tmin, tmax); break;
+      case 4: accumulate_lanes<4, D>(accs, alphas + j0, p, vh, off, tmin, tmax); break;
+      case 5: accumulate_lanes<5, D>(accs, alphas + j0, p, vh, off, tmin, tmax); break;
+      default: accumulate_lanes<6, D>(accs, alphas + j0, p, vh, off, tmin, tmax); break;
+    }
+    j0 += ns;
+  }
+}
+constexpr bool HAVE_LANES = true;
+#else
+constexpr bool HAVE_LANES = false;
+template <int64_t D>  // never called without AVX512-BF16 (HAVE_LANES is false)
+void attend_lanes(const c10::BFloat16*, const c10::BFloat16*, const int64_t*, LaneChunk&, const uint32_t*, float*,
+                  const int32_t*, const int32_t*, float, float, float*) {}
+#endif
+
 // HEAD_DIM > 0: the head dim as a compile-time constant (64, 128), so that the loops over it are
 // unrolled and their accumulators stay in registers; 0: any head dim, read at run time.
 // window > 0: request b attends over its last `window` positions only (those before are never
@@ -139,6 +326,10 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   const int64_t units = items * splits;
   std::vector<float> partial(splits > 1 ? units * QS * (D + 2) : 0);  // per unit and query state: m, l, acc[D]
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, units)));
+  // bf16 with AVX512-BF16 and a head dim of 64 or 128: the KV head's states in lanes (above)
+  constexpr bool lanes = HAVE_LANES && std::is_same_v<T, c10::BFloat16> && (HEAD_DIM == 64 || HEAD_DIM == 128);
+  const int64_t chunks_per_head = (max_rows * G + LANES - 1) / LANES;  // lane chunks of a KV head's states
+  const int64_t num_chunks = lanes ? heads_per_item * chunks_per_head : 0;
 
   // Dynamic scheduling, not at::parallel_for's static halves: contexts are ragged (and a core
   // may be busy elsewhere), so a fixed split leaves a thread idle at the end.
@@ -147,6 +338,10 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
     // per-thread scratch: the queries (fp32, scaled), the softmax states, a tile's scores and cache rows
     std::vector<float> qf(QS * D), acc(QS * D), s(TILE), m(QS), l(QS);
     std::vector<int64_t> rows(2 * TILE);  // this tile's cache rows, then the next one's (prefetched)
+    // lanes: the chunks, their query pairs [chunk][D / 2][LANES], a tile's scores [TILE][LANES]
+    std::vector<LaneChunk> chunks(num_chunks);
+    std::vector<uint32_t> qt(num_chunks * (D / 2) * LANES);
+    std::vector<float> sp(lanes ? TILE * LANES : 0);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t unit = 0; unit < units; ++unit) {
       const int64_t item = unit / splits, split = unit % splits;
@@ -155,11 +350,29 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
       const int64_t b = item / items_per_req, h0 = item % items_per_req * heads_per_item;
       const int64_t r0 = groups != nullptr ? groups[b] : b, nr = groups != nullptr ? groups[b + 1] - r0 : 1;
       const int64_t ns = nr * QH, len = lens[r0 + nr - 1];  // the last row sees the most positions
-      for (int64_t r = 0; r < nr; ++r)
-        for (int64_t i = 0; i < QH; ++i) {  // the queries in fp32, scale folded in
-          const T* src = qp + (r0 + r) * q_s0 + (h0 * G + i) * q_s1;
-          for (int64_t d = 0; d < D; ++d) qf[(r * QH + i) * D + d] = static_cast<float>(src[d]) * fscale;
-        }
+      if constexpr (lanes) {  // KV head g's states k = 0 .. nr * G - 1 in lane k % 16 of chunk k / 16
+        std::fill(qt.begin(), qt.end(), 0u);
+        for (LaneChunk& c : chunks) c.used = 0;  // chunks past this group's states stay empty
+        for (int64_t g = 0; g < heads_per_item; ++g)
+          for (int64_t k = 0; k < nr * G; ++k) {
+            LaneChunk& c = chunks[g * chunks_per_head + k / LANES];
+            const int64_t j = k % LANES, r = k / G, i = g * G + k % G;  // row r's query head h0 * G + i
+            if (j == 0) {
+              std::fill(c.m, c.m + LANES, -std::numeric_limits<float>::infinity());
+              std::fill(c.l, c.l + LANES, 0.f);
+            }
+            c.state[j] = r * QH + i, c.row[j] = r, c.used = static_cast<int>(j + 1);
+            const T* src = qp + (r0 + r) * q_s0 + (h0 * G + i) * q_s1;
+            uint32_t* dst = qt.data() + (g * chunks_per_head + k / LANES) * (D / 2) * LANES + j;
+            for (int64_t p = 0; p < D / 2; ++p) dst[p * LANES] = load_pair(reinterpret_cast<const c10::BFloat16*>(src) + 2 * p);
+          }
+      } else {
+        for (int64_t r = 0; r < nr; ++r)
+          for (int64_t i = 0; i < QH; ++i) {  // the queries in fp32, scale folded in
+            const T* src = qp + (r0 + r) * q_s0 + (h0 * G + i) * q_s1;
+            for (int64_t d = 0; d < D; ++d) qf[(r * QH + i) * D + d] = static_cast<float>(src[d]) * fscale;
+          }
+      }
       std::fill(acc.begin(), acc.begin() + ns * D, 0.f);
       std::fill(m.begin(), m.begin() + ns, -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.begin() + ns, 0.f);
@@ -251,6 +464,21 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
         for (int64_t g = 0; g < heads_per_item; ++g) {  // KV head by KV head; each row's heads of its group
           const T* kh = kp + (h0 + g) * D;
           const T* vh = vp + (h0 + g) * D;
+          if constexpr (lanes) {
+            for (int64_t ci = g * chunks_per_head; ci < (g + 1) * chunks_per_head; ++ci) {
+              LaneChunk& c = chunks[ci];
+              alignas(64) int32_t t0s[LANES] = {}, t1s[LANES] = {};  // each lane's part of the tile
+              for (int j = 0; j < c.used; ++j) {
+                const int64_t len_r = lens[r0 + c.row[j]], lo_r = window > 0 ? std::max<int64_t>(0, len_r - window) : 0;
+                t0s[j] = static_cast<int32_t>(std::max<int64_t>(0, lo_r - start));
+                t1s[j] = static_cast<int32_t>(std::max<int64_t>(t0s[j], std::min<int64_t>(n, len_r - start)));
+              }
+              attend_lanes<HEAD_DIM>(reinterpret_cast<const c10::BFloat16*>(kh), reinterpret_cast<const c10::BFloat16*>(vh),
+                                     rows.data(), c, qt.data() + ci * (D / 2) * LANES, acc.data(), t0s, t1s, fscale,
+                                     static_cast<float>(soft_cap), sp.data());
+            }
+            continue;
+          }
           for (int64_t c = g * nr * G; c < (g + 1) * nr * G; ++c) {
             const int64_t r = c / G % nr, i = g * G + c % G;  // head i of row r
             // this row's part of the tile: positions lo_r .. len_r - 1 only
@@ -260,6 +488,10 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
             attend(kh, vh, rows.data(), r * QH + i, t0, t1);
           }
         }
+      }
+      if constexpr (lanes) {  // the lanes' running max and sum back to the states'
+        for (int64_t ci = 0; ci < num_chunks; ++ci)
+          for (int j = 0; j < chunks[ci].used; ++j) m[chunks[ci].state[j]] = chunks[ci].m[j], l[chunks[ci].state[j]] = chunks[ci].l[j];
       }
       if (splits > 1) {  // this run's softmax states, merged below
         for (int64_t si = 0; si < ns; ++si) {

@@ -296,3 +296,44 @@ def test_grouped_rows_reject_what_is_not_a_group(kernel):
     with pytest.raises(RuntimeError, match="from 0 to the number of rows"):
         kernels.paged_decode_grouped(q, k_cache, v_cache, table, torch.tensor([5, 6], dtype=torch.int32),
                                      torch.tensor([0, 1], dtype=torch.int32), 1.0, out)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("window,cap", [(0, 0.0), (50, 4.0)])
+def test_a_row_has_the_same_bits_alone_or_in_a_group(kernel, head_dim, window, cap):
+    """bf16 with AVX512-BF16 puts a KV head's softmax states in the lanes of a vector (one row's 3
+    heads, or a verification's 5 rows x 3 heads, or more than 16 in chunks); a lane's arithmetic
+    must not depend on which states share its vector, so that a speculative verification scores a
+    row exactly as the plain decode of that row would. One thread: no split-KV, whose run
+    boundaries follow the group's longest row."""
+    kernels = cpu_paged_decode.kernels()
+    if kernels is None:
+        pytest.skip("no kernel")
+    sizes, contexts = [5, 1, 7], [140, 9, 66]
+    totals = [c + s for c, s in zip(contexts, sizes)]
+    for group in (3, 7):  # 15 and 35 states of a KV head at the most: one chunk, three chunks
+        _, k_cache, v_cache, table, _ = make_case(totals, num_kv_heads=2, group=group, head_dim=head_dim,
+                                                  block_size=16, dtype=torch.bfloat16, seed=group)
+        q = torch.randn(sum(sizes), 2 * group, head_dim, generator=torch.Generator().manual_seed(group)).bfloat16()
+        lens = torch.tensor([c + t + 1 for c, s in zip(contexts, sizes) for t in range(s)], dtype=torch.int32)
+        groups = torch.tensor([0] + list(itertools.accumulate(sizes)), dtype=torch.int32)
+        request = [b for b, s in enumerate(sizes) for _ in range(s)]
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            grouped = torch.empty_like(q)
+            kernels.paged_decode_grouped(q, k_cache, v_cache, table, lens, groups, head_dim**-0.5, grouped, window, cap)
+            alone = torch.empty_like(q)
+            for row, b in enumerate(request):
+                kernels.paged_decode(q[row : row + 1], k_cache, v_cache, table[b : b + 1], lens[row : row + 1],
+                                     head_dim**-0.5, alone[row : row + 1], window, cap)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(grouped, alone)
+        atol, rtol = TOLERANCE[torch.bfloat16]
+        for row, b in enumerate(request):  # and both right
+            n = int(lens[row])
+            k = torch.stack([k_cache[table[b, p // 16], p % 16] for p in range(n)]).double()
+            v = torch.stack([v_cache[table[b, p // 16], p % 16] for p in range(n)]).double()
+            want = brute_force_banded(q[row], k, v, n, window, cap, head_dim, group)
+            torch.testing.assert_close(grouped[row].double(), want, atol=atol * (3 if cap else 1), rtol=rtol)
