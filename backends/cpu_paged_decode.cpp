@@ -693,4 +693,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {  // the same kernels, called from eag
         py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"), py::arg("block_table"), py::arg("seq_lens"),
         py::arg("groups"), py::arg("scale"), py::arg("window") = 0, py::arg("soft_cap") = 0.0,
         py::call_guard<py::gil_scoped_release>());
+  // the two C++ functions for other native code (paged.models.cpu_layer_ops' DecoderPlan)
+  m.attr("write_and_decode_capsule") =
+      py::capsule(reinterpret_cast<void*>(&write_and_decode), "paged.cpu_decode.write_and_decode");
+  m.attr("write_and_decode_grouped_capsule") =
+      py::capsule(reinterpret_cast<void*>(&write_and_decode_grouped), "paged.cpu_decode.write_and_decode_grouped");
 }

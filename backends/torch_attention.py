@@ -52,6 +52,7 @@ has the query's dtype.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field
 
 import torch
@@ -273,6 +274,17 @@ class TorchAttentionBackend:
 
     def allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return default_allocate_kv_cache(self.layout, num_blocks)
+
+    def native_decode(self) -> tuple[Any, Any] | None:
+        """The C++ functions ``forward`` calls for a step of decodes only (``fused_decode_only``),
+        as capsules for native callers that make the same call (``cpu_layer_ops.DecoderPlan``):
+        ``(write_and_decode, write_and_decode_grouped)``; None without the kernel, or where
+        ``forward`` is not this class's."""
+        if (self._write_and_decode is None or type(self).forward is not TorchAttentionBackend.forward
+                or "forward" in self.__dict__):
+            return None
+        kernels = cpu_paged_decode.kernels()
+        return kernels.write_and_decode_capsule, kernels.write_and_decode_grouped_capsule
 
     # ---- once per step -------------------------------------------------------------------------
 

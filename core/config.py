@@ -493,7 +493,7 @@ class EngineConfig(BaseSettings):
 # PAGED_* variables read elsewhere than the config (anything else PAGED_* should be a setting)
 OTHER_ENV_VARS = ("PAGED_PLUGINS", "PAGED_DISABLE_PLUGINS", "PAGED_CACHE_DIR", "PAGED_REQUIRE_MODEL",
                   "PAGED_STARTUP_TIMES", "PAGED_QUANTIZED_CACHE", "PAGED_CPU_LAYER_OPS", "PAGED_CONFIG_SNAPSHOT",
-                  "PAGED_DIRECT_LAYERS")
+                  "PAGED_DIRECT_LAYERS", "PAGED_DIRECT_PLAN")
 
 
 def config_keys() -> list[str]:

@@ -16,6 +16,10 @@ bit of fp32: the summation order is its own).
     silu_and_mul(x [T, 2I]) -> silu(x[:, :I]) * x[:, I:]
     gelu_tanh_and_mul(x [T, 2I]) -> gelu_tanh(x[:, :I]) * x[:, I:]   # Gemma's GeGLU
 
+and ``DecoderPlan``: a decode step's decoder layers as one C++ call (``paged.models.direct_decoder``
+builds it; the GGUF products and the paged-decode attention come in as capsules of their
+libraries' C++ functions, ``gemm_capsule`` and ``write_and_decode[_grouped]_capsule``).
+
 float32, bfloat16 and float16 CPU tensors. ``paged.models.layers`` calls them for CPU tensors in
 eager mode (``enabled``); under ``torch.compile`` inductor fuses the torch ops itself. Built with
 ``paged.core.native`` (once per machine and torch version; ``-ffp-contract=off`` so fp32

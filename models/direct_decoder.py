@@ -28,6 +28,18 @@ another dtype than the model's or with a strided last dimension (a quantization 
 ``QuantizedWeight``'s contract) ends the direct path for good, with one log line, and that
 forward is run again through the modules (the KV written until then is the same values).
 
+A step of decodes only (the attention backend's ``fused_decode_only``: plain decodes, or the
+grouped rows of speculative verifications) runs the same loop as one C++ call where every call
+in it has a C++ function: ``cpu_layer_ops.DecoderPlan``, built at the first such step from the
+GGUF weights' kernel (``native_gemm``: each projection a ``GGUFWeight`` or row blocks of them)
+and the torch backend's fused KV write and decode (``native_decode``), bfloat16, without q/k
+norms, partial rotary or LoRA; elsewhere (dense or other quantized weights, prefill steps, other
+backends) the Python loop runs. The same calls in the same order: bitwise the same hidden
+states (``tests/models/test_direct_decoder.py``). Why: the loop's ~270 calls a step cost ~1 ms
+of interpreter and argument conversion at batch 1 (the default model on the 2-core EPYC, a
+step 7.06 -> 6.59 ms; decode 1.1-1.2x faster end to end, README Performance).
+``PAGED_DIRECT_PLAN=0`` keeps the Python loop (A/B measurements).
+
 The modules are read once: a model whose layers are replaced after its first forward must set
 ``LlamaModel._direct = False`` to have them read again. ``PAGED_DIRECT_LAYERS=0`` keeps the
 modules (A/B measurements, debugging).
@@ -79,7 +91,8 @@ class _Layer:
 
     __slots__ = ("input_norm", "input_eps", "post_norm", "post_eps", "qkv", "qkv_bias", "o", "o_bias", "gate_up",
                  "gate_up_bias", "down", "down_bias", "qkv_sizes", "num_heads", "num_kv_heads", "head_dim", "q_size",
-                 "attention", "settings_kwargs", "q_norm", "q_norm_eps", "k_norm", "k_norm_eps", "rotary")
+                 "attention", "settings_kwargs", "q_norm", "q_norm_eps", "k_norm", "k_norm_eps", "rotary",
+                 "backend", "settings")
 
     def __init__(self, layer: nn.Module) -> None:
         attn, mlp = layer.self_attn, layer.mlp
@@ -93,6 +106,7 @@ class _Layer:
         self.num_heads, self.num_kv_heads, self.head_dim, self.q_size = (
             attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.q_size)
         self.attention = attn.backend.forward
+        self.backend, self.settings = attn.backend, attn.attn_settings
         self.settings_kwargs = attn._settings_kwargs
         qk_norm = type(attn) in QK_NORM_ATTENTIONS
         self.q_norm, self.q_norm_eps = (attn.q_norm.weight, attn.q_norm.eps) if qk_norm else (None, 0.0)
@@ -135,6 +149,11 @@ class DirectDecoder:
         self.norm, self.norm_eps = model.norm.weight, model.norm.eps
         self.dtype = self.norm.dtype
         self.failed = False
+        # the C++ plan of a decode step (cpu_layer_ops.DecoderPlan): None until a step of decodes
+        # only builds it, False where it cannot run (_build_plan); for the KV caches it was built with
+        self.plan: Any = None if os.environ.get("PAGED_DIRECT_PLAN", "1") != "0" else False
+        self.plan_kv_caches: Any = None
+        self.plan_steps = 0  # steps run by the plan (tests, benchmarks)
         # the hooks of every module the direct path skips, checked per forward (a dict per module,
         # filled in place by register_forward_hook)
         skipped = [m for layer in model.layers for m in layer.modules()] + [model.norm]
@@ -191,6 +210,13 @@ class DirectDecoder:
                 cos_sin: tuple[torch.Tensor, torch.Tensor], kv_caches: list[Any], attn_metadata: Any) -> torch.Tensor:
         rms_norm, add_rms_norm, rotary, silu_and_mul = ops.rms_norm, ops.add_rms_norm, ops.rotary, ops.silu_and_mul
         cos, sin = cos_sin
+        if self.plan is not False and getattr(attn_metadata, "fused_decode_only", False):
+            plan = self.plan if self.plan_kv_caches is kv_caches else self._build_plan(ops, kv_caches)
+            if plan and hidden_states.dtype == torch.bfloat16:
+                self.plan_steps += 1
+                decode = attn_metadata.decode
+                return plan.run(hidden_states, cos, sin, attn_metadata.slot_mapping, decode.block_table,
+                                decode.seq_lens, decode.groups)
         num_tokens = hidden_states.shape[0]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -214,3 +240,40 @@ class DirectDecoder:
                                      silu_and_mul(_project(layer.gate_up, layer.gate_up_bias, x)))
             del x
         return add_rms_norm(hidden_states, residual, self.norm, self.norm_eps)[0]
+
+    def _build_plan(self, ops: Any, kv_caches: list[Any]) -> Any:
+        """The loop above for a step of decodes only as one C++ call (``cpu_layer_ops.DecoderPlan``),
+        where every call it would make has a C++ function: each projection a GGUF weight's kernel
+        (``native_gemm``), the attention the torch backend's fused KV write and decode
+        (``native_decode``), bfloat16 throughout, no q/k norms, LoRA or partial rotary. Sets and
+        returns ``self.plan`` (False: the Python loop runs every step)."""
+        self.plan, self.plan_kv_caches = False, kv_caches
+        plan_type = getattr(ops, "DecoderPlan", None)
+        if plan_type is None or self.dtype != torch.bfloat16 or len(kv_caches) != len(self.layers):
+            return False
+        gemm_capsule, layers = None, []
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            native_decode = getattr(layer.backend, "native_decode", None)
+            decode = native_decode() if native_decode is not None else None
+            if (decode is None or layer.q_norm is not None or layer.rotary is not None
+                    or k_cache.dtype != torch.bfloat16 or layer.attention != layer.backend.forward):
+                return False
+            projections = []
+            for proj, bias in ((layer.qkv, layer.qkv_bias), (layer.o, layer.o_bias), (layer.gate_up, layer.gate_up_bias),
+                               (layer.down, layer.down_bias)):
+                native_gemm = getattr(proj.qweight, "native_gemm", None)
+                gemm = native_gemm() if native_gemm is not None and proj.lora is None else None
+                if gemm is None or (gemm_capsule is not None and gemm[0] is not gemm_capsule):
+                    return False
+                gemm_capsule = gemm[0]
+                projections += [gemm[1], bias]
+            s = layer.settings
+            scale = layer.backend.layout.scale if s.scale is None else s.scale
+            layers.append((layer.input_norm, layer.input_eps, layer.post_norm, layer.post_eps, *projections,
+                           layer.num_heads, layer.num_kv_heads, layer.head_dim, k_cache, v_cache, float(scale),
+                           s.sliding_window or 0, float(s.logits_soft_cap or 0.0)))
+        plan = plan_type(gemm_capsule, *decode, self.norm, self.norm_eps)
+        for args in layers:
+            plan.add_layer(*args)
+        self.plan = plan
+        return plan

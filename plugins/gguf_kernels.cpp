@@ -1275,4 +1275,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {  // eager calls without the dispatche
   m.def("available", &kernels_available);
   m.def("amx_available", &kernels_amx);
   m.def("int8_activations_available", &kernels_int8_activations);
+  // gemm's C++ function for other native code (paged.models.cpu_layer_ops' DecoderPlan), without Python between
+  m.attr("gemm_capsule") = py::capsule(reinterpret_cast<void*>(&gemm), "paged.gguf.gemm");
 }

@@ -148,6 +148,15 @@ class GGUFWeight:
             out = torch.nn.functional.linear(x, self.dequantize().to(x.dtype))
         return out if bias is None else out + bias
 
+    def native_gemm(self) -> tuple[Any, list[tuple]] | None:
+        """For native callers that run ``linear`` without Python (``cpu_layer_ops.DecoderPlan``):
+        the kernel's C++ ``gemm`` as a capsule and its arguments after ``x``, one tuple per weight
+        (here one); None where ``linear`` does not call it."""
+        if self.packed is None:
+            return None
+        return self.kernels.gemm_capsule, [(self.packed, *self.fmt, self.many_min_rows, self.int8_activations,
+                                            self.int8_panels, self.interleave)]
+
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             flat = ids.reshape(-1)

@@ -126,6 +126,14 @@ class RowStackedWeight:
         out = torch.cat([p.linear(x, None) for p in self.parts], dim=-1)
         return out if bias is None else out + bias
 
+    def native_gemm(self) -> tuple[Any, list[tuple]] | None:
+        """The parts' (``GGUFWeight.native_gemm``) in order, where every part has one and they share
+        a kernel: ``linear`` concatenates their outputs, as a native caller must."""
+        found = [getattr(p, "native_gemm", lambda: None)() for p in self.parts]
+        if any(f is None for f in found) or len({id(f[0]) for f in found}) != 1:
+            return None
+        return found[0][0], [part for f in found for part in f[1]]
+
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         return self.dequantize()[ids]
 

@@ -103,6 +103,29 @@ def test_direct_layers_equal_the_modules_bit_for_bit(kind, dtype, tmp_path, defa
     assert len(seen) >= 12 and any(t > 1 for t, _, _ in seen) and any(t == 3 for t, _, _ in seen), seen
     assert all(used for _, used, _ in seen), seen
     assert all(equal for _, _, equal in seen), seen
+    # the decode steps of GGUF weights ran as one C++ call (DecoderPlan); dense weights never do
+    plan_steps = llm.engine.core.runner.model.model._direct.plan_steps
+    assert plan_steps > 0 if kind == "default" else plan_steps == 0
+
+
+def test_decoder_plan_runs_verifications_as_the_python_loop_does(default_model_dir, monkeypatch):
+    """Speculative verifications (query rows in groups, ``write_and_decode_grouped``) and plain
+    decodes through the C++ plan, each against the modules on the same inputs: equal outputs,
+    and the greedy tokens those of the Python loop (``PAGED_DIRECT_PLAN=0``)."""
+    prompt = "one two three four five six seven eight nine ten " * 6
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    llm = LLM(default_model_dir, device="cpu", dtype="bfloat16", attention="torch", speculative_config=spec)
+    seen = _both_paths(llm, monkeypatch)
+    tokens = llm.generate([prompt, prompt[:40]], params, use_tqdm=False)
+    assert any(t > 2 for t, _, _ in seen) and all(equal for _, _, equal in seen), seen
+    direct = llm.engine.core.runner.model.model._direct
+    assert direct.plan_steps > 0
+    monkeypatch.setenv("PAGED_DIRECT_PLAN", "0")
+    python_loop = LLM(default_model_dir, device="cpu", dtype="bfloat16", attention="torch", speculative_config=spec)
+    expected = python_loop.generate([prompt, prompt[:40]], params, use_tqdm=False)
+    assert python_loop.engine.core.runner.model.model._direct.plan_steps == 0
+    assert [o.outputs[0].token_ids for o in tokens] == [o.outputs[0].token_ids for o in expected]
 
 
 def test_hooks_patches_and_other_layers_keep_the_modules(tmp_path, default_model_dir, monkeypatch):
