@@ -392,10 +392,10 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
           if (++in == block_size) in = 0, ++blk;
         }
         // the next tile's K/V rows of this item's KV heads toward the cache while this one is
-        // computed: a head's rows are a strided run (Hkv heads to a position) that the hardware
-        // prefetchers follow poorly
+        // computed (and, at a run's first tile, its own): a head's rows are a strided run (Hkv
+        // heads to a position) that the hardware prefetchers follow poorly
         const int64_t head_bytes = heads_per_item * D * int64_t(sizeof(T));
-        for (int64_t t = n; t < n + n_next; ++t)
+        for (int64_t t = start == first ? 0 : n; t < n + n_next; ++t)
           for (const T* cache : {kp, vp}) {  // every 64-byte line the item's heads touch
             const uintptr_t first = reinterpret_cast<uintptr_t>(cache + rows[t] + h0 * D);
             for (uintptr_t line = first & ~uintptr_t(63); line < first + head_bytes; line += 64)

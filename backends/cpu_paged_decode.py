@@ -36,7 +36,9 @@ against 4.27 ms copied in cache, 4.73 against 4.78 from memory, and 2 rows at 3,
 against 6.70 in cache, where with the old widening the copy had taken 5 rows from 6.4-7.0 to
 4.5-4.8 ms). The next tile's K/V rows of the item's KV heads are prefetched while a tile is
 computed (a head's rows are a strided run the hardware prefetchers follow poorly: one row from
-memory, 30 layers, 900 positions 1.94 -> 1.66 ms, 3,000 positions 9.3 -> 8.4). Per tile: the
+memory, 30 layers, 900 positions 1.94 -> 1.66 ms, 3,000 positions 9.3 -> 8.4), and a run's
+first tile its own rows before it starts (with the lanes path below, 900 positions from memory
+1.81-1.91 -> 1.75-1.78 ms for one row, 2.6-2.8 -> 2.43-2.50 for 5; 300 positions level). Per tile: the
 tile's scores and their max, one online-softmax update (running max and sum; the accumulator is
 rescaled once per tile, not once per key), then the tile's V rows weighted into the fp32
 accumulator. Reading every KV head of a tile together makes each block one contiguous run of
