@@ -25,7 +25,7 @@ class NgramOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     prompt_lookup_min: int = Field(2, ge=1, le=64, description="shortest suffix that may match")
-    prompt_lookup_max: int = Field(4, ge=1, le=64, description="longest suffix tried (the longest match wins)")
+    prompt_lookup_max: int = Field(8, ge=1, le=64, description="longest suffix tried (the longest match wins)")
 
     @model_validator(mode="after")
     def _ordered(self) -> "NgramOptions":
