@@ -18,7 +18,7 @@ def register_speculative_proposers():
             factory=NgramProposer,
             options=NgramOptions,
             description="prompt lookup: the tokens that followed the latest earlier occurrence of the request's "
-            "last 2-4 tokens (prompt_lookup_min/max)",
+            "last 2-8 tokens (prompt_lookup_min/max)",
         ),
         SpeculativeProposerSpec(
             name="suffix",

@@ -1,7 +1,7 @@
 """The ``suffix`` proposer (suffix decoding): the longest earlier match of the request's end, in
 its own tokens or in recent requests' outputs, of any length.
 
-Where ``ngram`` looks up the last 2-4 tokens, this finds the longest suffix of the request's
+Where ``ngram`` looks up the last 2-8 tokens, this finds the longest suffix of the request's
 tokens that occurred before, however long, in two places: earlier in the request itself (prompt
 and output), and in the outputs of the last ``suffix_decoding_max_cached_requests`` requests
 (agent loops and repeated tasks produce the same answers again). The tokens that followed the
