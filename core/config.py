@@ -238,7 +238,7 @@ class SpeculativeConfig(_Section):
     )
     min_acceptance_rate: float = Field(
         0.3, ge=0, le=1, description="a request whose last 16 draft tokens were accepted less often than this is "
-        "not asked for 32 steps (a verified draft costs ~0.3 of a step on the CPU); 0 = never paused",
+        "not asked for 32 steps (a verified draft costs ~0.2-0.3 of a step on the CPU); 0 = never paused",
     )
     options: dict[str, Any] = Field(default_factory=dict, description="the proposer's typed options")
 
