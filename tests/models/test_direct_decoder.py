@@ -128,6 +128,27 @@ def test_decoder_plan_runs_verifications_as_the_python_loop_does(default_model_d
     assert [o.outputs[0].token_ids for o in tokens] == [o.outputs[0].token_ids for o in expected]
 
 
+def test_decoder_plan_on_a_mix_of_block_types(tmp_path, monkeypatch):
+    """A GGUF whose q, k and v are three block types (row-stacked parts, each its own gemm, then
+    concatenated) and whose other projections are six more: every decode step through the plan,
+    equal to the modules on the same inputs."""
+    from helpers.gguf_blocks import write_tiny_quantized_gguf
+    from paged.core.loading.quantize import RowStackedWeight
+
+    monkeypatch.setenv("PAGED_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny-mixed.gguf"
+    write_tiny_quantized_gguf(path)
+    llm = LLM(str(path), device="cpu", dtype="bfloat16", attention="torch", max_num_batched_tokens=16, block_size=4,
+              num_kv_blocks=64)
+    model = llm.engine.core.runner.model.model
+    assert isinstance(model.layers[0].self_attn.qkv_proj.qweight, RowStackedWeight)
+    seen = _both_paths(llm, monkeypatch)
+    prompts = [[5, 77, 200, 3, 140, 9, 61, 250, 33], [17, 4, 99, 180, 12], list(range(40, 71))]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert all(equal for _, _, equal in seen), seen
+    assert model._direct.plan_steps >= 6
+
+
 def test_hooks_patches_and_other_layers_keep_the_modules(tmp_path, default_model_dir, monkeypatch):
     model_dir = _save(tmp_path / "llama", default_model_dir, transformers.LlamaConfig(**TINY))
     llm = LLM(str(model_dir), device="cpu", dtype="float32", attention="torch", num_kv_blocks=64)
