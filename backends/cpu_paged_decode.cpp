@@ -397,8 +397,8 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
         const int64_t head_bytes = heads_per_item * D * int64_t(sizeof(T));
         for (int64_t t = start == first ? 0 : n; t < n + n_next; ++t)
           for (const T* cache : {kp, vp}) {  // every 64-byte line the item's heads touch
-            const uintptr_t first = reinterpret_cast<uintptr_t>(cache + rows[t] + h0 * D);
-            for (uintptr_t line = first & ~uintptr_t(63); line < first + head_bytes; line += 64)
+            const uintptr_t begin = reinterpret_cast<uintptr_t>(cache + rows[t] + h0 * D);
+            for (uintptr_t line = begin & ~uintptr_t(63); line < begin + head_bytes; line += 64)
               __builtin_prefetch(reinterpret_cast<const void*>(line));
           }
         // One softmax state (row r's query head i) over positions t0 .. t1 - 1 of the tile: the
