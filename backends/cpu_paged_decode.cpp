@@ -336,7 +336,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
 #pragma omp parallel num_threads(threads)
   {
     // per-thread scratch: the queries (fp32, scaled), the softmax states, a tile's scores and cache rows
-    std::vector<float> qf(QS * D), acc(QS * D), s(TILE), m(QS), l(QS);
+    std::vector<float> qf(lanes ? 0 : QS * D), acc(QS * D), s(TILE), m(QS), l(QS);
     std::vector<int64_t> rows(2 * TILE);  // this tile's cache rows, then the next one's (prefetched)
     // lanes: the chunks, their query pairs [chunk][D / 2][LANES], a tile's scores [TILE][LANES]
     std::vector<LaneChunk> chunks(num_chunks);

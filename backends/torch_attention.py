@@ -52,8 +52,8 @@ has the query's dtype.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F

@@ -212,7 +212,7 @@ class DirectDecoder:
         cos, sin = cos_sin
         if self.plan is not False and getattr(attn_metadata, "fused_decode_only", False):
             plan = self.plan if self.plan_kv_caches is kv_caches else self._build_plan(ops, kv_caches)
-            if plan and hidden_states.dtype == torch.bfloat16:
+            if plan:  # (usable() saw hidden_states in the model's dtype, which the plan requires to be bfloat16)
                 self.plan_steps += 1
                 decode = attn_metadata.decode
                 return plan.run(hidden_states, cos, sin, attn_metadata.slot_mapping, decode.block_table,
