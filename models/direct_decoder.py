@@ -41,7 +41,9 @@ step 7.06 -> 6.59 ms; decode 1.1-1.2x faster end to end, README Performance).
 ``PAGED_DIRECT_PLAN=0`` keeps the Python loop (A/B measurements).
 
 The modules are read once: a model whose layers are replaced after its first forward must set
-``LlamaModel._direct = False`` to have them read again. ``PAGED_DIRECT_LAYERS=0`` keeps the
+``LlamaModel._direct = False`` to have them read again. An attention backend set on the
+``Attention`` modules after that (``attn.backend = ...``, as ``benchmarks/gpu_check_throughput.py``
+does) is followed: ``usable`` sees it and the layers call the new backend (the plan is built again). ``PAGED_DIRECT_LAYERS=0`` keeps the
 modules (A/B measurements, debugging).
 """
 
@@ -146,6 +148,7 @@ class DirectDecoder:
 
     def __init__(self, model: nn.Module) -> None:
         self.layers = [_Layer(layer) for layer in model.layers]
+        self.attentions = [layer.self_attn for layer in model.layers]  # their backends, checked per forward
         self.norm, self.norm_eps = model.norm.weight, model.norm.eps
         self.dtype = self.norm.dtype
         self.failed = False
@@ -190,7 +193,17 @@ class DirectDecoder:
                 or any(getattr(c, name) is not f for (c, name), f in STOCK_METHODS.items())
                 or any(c.forward is not f for c, f in QK_NORM_ATTENTIONS.items())):
             return None
+        if any(attn.backend is not layer.backend for attn, layer in zip(self.attentions, self.layers)):
+            self._follow_backends()
         return ops
+
+    def _follow_backends(self) -> None:
+        """An attention backend swapped on the modules since they were read: call the new ones,
+        and build the plan again (it holds the old backends' C++ decode)."""
+        for attn, layer in zip(self.attentions, self.layers):
+            layer.backend, layer.attention = attn.backend, attn.backend.forward
+        if os.environ.get("PAGED_DIRECT_PLAN", "1") != "0":
+            self.plan, self.plan_kv_caches = None, None
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 kv_caches: list[Any], attn_metadata: Any) -> torch.Tensor | None:

@@ -144,9 +144,33 @@ def test_decoder_plan_on_a_mix_of_block_types(tmp_path, monkeypatch):
     assert isinstance(model.layers[0].self_attn.qkv_proj.qweight, RowStackedWeight)
     seen = _both_paths(llm, monkeypatch)
     prompts = [[5, 77, 200, 3, 140, 9, 61, 250, 33], [17, 4, 99, 180, 12], list(range(40, 71))]
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert all(equal for _, _, equal in seen), seen
     assert model._direct.plan_steps >= 6
+
+    # attention backends swapped on the modules after the first forward (gpu_check's throughput
+    # section does this): the layers call the new ones, the plan (which holds the old ones' C++
+    # decode) is not used; a backend of the stock class again: the plan is built again for it
+    from paged.backends.torch_attention import TorchAttentionBackend
+
+    calls = []
+
+    class Counted(TorchAttentionBackend):
+        def forward(self, *args, **kwargs):
+            calls.append(args[0].shape[0])
+            return super().forward(*args, **kwargs)
+
+    attentions = [layer.self_attn for layer in model.layers]
+    for attn in attentions:
+        attn.backend = Counted(attn.backend.layout)
+    plan_steps = model._direct.plan_steps
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    assert len(calls) >= 8 * len(attentions) and model._direct.plan_steps == plan_steps, (len(calls), plan_steps)
+    for attn in attentions:
+        attn.backend = TorchAttentionBackend(attn.backend.layout)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    assert model._direct.plan_steps >= plan_steps + 6
 
 
 def test_hooks_patches_and_other_layers_keep_the_modules(tmp_path, default_model_dir, monkeypatch):
