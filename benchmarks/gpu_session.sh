@@ -12,7 +12,7 @@ start=$(date +%s)
 python=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
 "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --no-build-isolation --upgrade \
-  --target /tmp/site .whl/*.whl . 2>&1 | grep -v -i warning | tail -5
+  --target /tmp/site .whl/*.whl . >/tmp/pip.log 2>&1 || { tail -20 /tmp/pip.log; exit 1; }
 export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 echo "installed in $(( $(date +%s) - start )) s"
 log=${OUT:-/tmp}/gpu_check.log

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Wheels that benchmarks/gpu_session.sh installs on a GPU machine without network (the device
 # image of 2026-12: Python 3.12, torch 2.11+cu130, Triton 3.6, ninja, nvcc; none of paged's
-# pydantic/msgspec/gguf/xgrammar stack). Run here, in the repository's root:
+# pydantic/msgspec/gguf/xgrammar stack). Run here, in the repository's root (.whl/ is in
+# .gitignore: carried to the GPU machine with `carry`, never committed):
 #
-#     echo /.whl/ >> .git/info/exclude     # once: the folder is carried, not committed
-#     bash benchmarks/gpu_wheels.sh         # ~27 MB into .whl/
+#     bash benchmarks/gpu_wheels.sh         # ~26 MB into .whl/
 #
 # The versions of paged's own dependencies are this venv's, so that the GPU runs what the tests
 # ran here; FlashInfer 0.6.x (0.7.x is 101 MB, over the 64 MiB a call can carry). Not the

@@ -43,8 +43,9 @@ step 7.06 -> 6.59 ms; decode 1.1-1.2x faster end to end, README Performance).
 The modules are read once: a model whose layers are replaced after its first forward must set
 ``LlamaModel._direct = False`` to have them read again. An attention backend set on the
 ``Attention`` modules after that (``attn.backend = ...``, as ``benchmarks/gpu_check_throughput.py``
-does) is followed: ``usable`` sees it and the layers call the new backend (the plan is built again). ``PAGED_DIRECT_LAYERS=0`` keeps the
-modules (A/B measurements, debugging).
+does) is followed: ``usable`` sees it, the layers call the new backends, and the plan is built
+again where they allow one. ``PAGED_DIRECT_LAYERS=0`` keeps the modules (A/B measurements,
+debugging).
 """
 
 from __future__ import annotations
@@ -154,7 +155,8 @@ class DirectDecoder:
         self.failed = False
         # the C++ plan of a decode step (cpu_layer_ops.DecoderPlan): None until a step of decodes
         # only builds it, False where it cannot run (_build_plan); for the KV caches it was built with
-        self.plan: Any = None if os.environ.get("PAGED_DIRECT_PLAN", "1") != "0" else False
+        self.use_plan = os.environ.get("PAGED_DIRECT_PLAN", "1") != "0"
+        self.plan: Any = None if self.use_plan else False
         self.plan_kv_caches: Any = None
         self.plan_steps = 0  # steps run by the plan (tests, benchmarks)
         # the hooks of every module the direct path skips, checked per forward (a dict per module,
@@ -202,8 +204,7 @@ class DirectDecoder:
         and build the plan again (it holds the old backends' C++ decode)."""
         for attn, layer in zip(self.attentions, self.layers):
             layer.backend, layer.attention = attn.backend, attn.backend.forward
-        if os.environ.get("PAGED_DIRECT_PLAN", "1") != "0":
-            self.plan, self.plan_kv_caches = None, None
+        self.plan, self.plan_kv_caches = (None if self.use_plan else False), None
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 kv_caches: list[Any], attn_metadata: Any) -> torch.Tensor | None:

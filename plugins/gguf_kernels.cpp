@@ -660,7 +660,8 @@ inline void tile_any(const uint8_t* w, const Ctx& ctx, int64_t n, int64_t m0) {
 // Bytes next .. target - 1 of w toward the cache (next advances): a call streams its weights once,
 // too briefly for the hardware prefetchers to ramp up. Into L2 (T1), as prefetch_panel: with T0
 // the lines wait on L1's few miss buffers; decode of the default model's Q4_1 and Q4_K_M files
-// was 5-15% faster with T1 (2-core EPYC, alternated runs); 4 or 16 KB ahead instead of 8 no better.
+// was 10% and 17% faster with T1 (medians of three alternated runs, 2-core EPYC); 4 or 16 KB
+// ahead instead of 8 no better. (quant_kernels.cpp keeps T0: no clear change there.)
 inline void prefetch_until(const uint8_t* w, int64_t& next, int64_t target) {
   for (; next < target; next += 64) _mm_prefetch(reinterpret_cast<const char*>(w) + next, _MM_HINT_T1);
 }

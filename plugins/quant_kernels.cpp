@@ -24,6 +24,7 @@ constexpr int64_t ROW_GRAIN = 16;
 // Software prefetch distance. A call reads each weight once in ~5-30 us, too short for the
 // hardware prefetchers to ramp up: without it the weights of a decode step streamed at ~25 GB/s,
 // with it at ~44 GB/s (the machine's copy bandwidth; benchmarks/quant_gemm.py).
+// Into L1 (T0): T1, which the GGUF kernels use, changed no decode here measurably (2026-12-05).
 constexpr int64_t PREFETCH_BYTES = 8192;
 
 // A packed row: K/2 bytes of codes, then K/32 bf16 scales, then K/32 bf16 zeros (one run of
