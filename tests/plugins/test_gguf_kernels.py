@@ -106,7 +106,7 @@ def test_the_interleaved_layout_puts_each_code_where_its_docstring_says(kind):
     with the int8 paths, nor with other row counts."""
     n, k = 32, 64
     exact, scales = _weight(kind, n=n, k=k, seed=8)
-    assert quantize_gguf(exact.bfloat16(), scales, None).interleave == (16 if kind in ("q4_0", "q4_1") else 1)
+    assert quantize_gguf(exact.bfloat16(), scales, None).interleave == gguf_kernels.X16_ROWS  # the default
     w = quantize_gguf(exact.bfloat16(), scales, GGUFOptions(interleave_types=(kind,)))
     assert w.interleave == gguf_kernels.X16_ROWS
     packed = w.packed.view(-1).tolist()
