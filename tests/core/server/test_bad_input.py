@@ -22,7 +22,7 @@ from paged.core.sampling_params import SamplingParams
 METRICS_KEY = "sk-metrics-only"
 # Drain time on SIGTERM: long enough for a 1-token request on a loaded machine, far shorter than
 # the ~500-token stream the shutdown test leaves open.
-GRACE_S = 4
+GRACE_S = 1.5  # shorter than the shutdown test's long stream takes (8 samples of 496 tokens: ~4 s here)
 NUM_BLOCKS = 256
 MAX_MODEL_LEN = 512
 LIMITS = {"MAX_N": "8", "MAX_SAMPLES_PER_REQUEST": "16", "MAX_STOP": "4", "CHAT_DEFAULT_MAX_TOKENS": "3",
@@ -600,8 +600,10 @@ def test_sigterm_drains_then_ends_open_streams(hserver):
     events: list[str] = []
     with httpx.stream("POST", hserver.url + COMPLETIONS, timeout=120,
                       headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+                      # 8 samples of 496 tokens: ~4 s of decode steps at 8 rows here (2026-12-05: one such
+                      # sample alone took 2 s, under the 4 s grace this test had then, and ended normally)
                       json={"prompt": "Once upon a time", "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True,
-                            "stream": True}) as stream:
+                            "n": 8, "stream": True}) as stream:
         lines = stream.iter_lines()
         events.append(next(line for line in lines if line))  # it is running
         thread = threading.Thread(target=short_request)
