@@ -395,9 +395,8 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
         // computed (and, at a run's first tile, its own): a head's rows are a strided run (Hkv
         // heads to a position) that the hardware prefetchers follow poorly. Into L2 (prefetcht1),
         // not L1: a tile's lines (256 for one KV head of 64 dims) asked for at once into L1 wait
-        // on its few miss buffers; into
-        // L2, 1 row from memory took 25% less time (30 layers at 900 and 3,000 positions, 2-core
-        // EPYC), the same in cache; two tiles ahead was no better.
+        // on its few miss buffers; into L2, 1 row from memory took 25% less time (30 layers at
+        // 900 and 3,000 positions, 2-core EPYC), the same in cache; two tiles ahead no better.
         const int64_t head_bytes = heads_per_item * D * int64_t(sizeof(T));
         for (int64_t t = start == first ? 0 : n; t < n + n_next; ++t)
           for (const T* cache : {kp, vp}) {  // every 64-byte line the item's heads touch
