@@ -11,7 +11,8 @@ shared libraries are found through ``LD_LIBRARY_PATH``, set here to the same fol
    prompt tokens + 64 new tokens, all at once; total time) against paged on the same workload.
 
 Each paged variant (``--variants DTYPE:QUANTIZATION[:KEY=VALUE+...],...``, e.g.
-``bfloat16:gguf:int8_panels=true``) runs in its own process. Ratios > 1
+``bfloat16:gguf:int8_panels=true``; a list value's items separated by ``/``, e.g.
+``bfloat16:gguf:interleave_types=q4_0/q4_1/q8_0``) runs in its own process. Ratios > 1
 mean paged is faster. Run on a quiet machine; ``--quick`` is a smoke test at tiny sizes.
 
     python benchmarks/llamacpp.py                     # the issue's tables (~10 min on 2 cores)
@@ -68,9 +69,10 @@ def llamacpp_batched(tools: Path, gguf: str, args) -> dict[int, float]:
 
 # --- paged phases (own process each) ---------------------------------------------------------
 def parse_variant(variant: str) -> tuple[str, str, dict[str, str]]:
-    """``DTYPE:QUANTIZATION[:KEY=VALUE+KEY=VALUE...]`` (options of the quantization method)."""
+    """``DTYPE:QUANTIZATION[:KEY=VALUE+KEY=VALUE...]`` (options of the quantization method; in a
+    value, ``/`` stands for the comma that separates variants: a list's items)."""
     dtype, quantization, *rest = variant.split(":", 2)
-    options = dict(kv.split("=", 1) for kv in rest[0].split("+")) if rest else {}
+    options = {k: v.replace("/", ",") for k, v in (kv.split("=", 1) for kv in rest[0].split("+"))} if rest else {}
     return dtype, quantization, options
 
 

@@ -37,7 +37,7 @@ constexpr int64_t PANEL = 32;             // many rows: weight rows dequantized 
 // scales and offsets. bits 2 and 3 are held as 4.
 struct Format {
   int bits, group, super_block;
-  bool interleaved = false;  // 4- or 8-bit codes in one-level groups of 32, 16 rows interleaved (see X16 below)
+  bool interleaved = false;  // 4-, 5- or 8-bit codes in one-level groups of 32, 16 rows interleaved (see X16 below)
   bool two_level() const { return super_block != group; }
   int64_t chunk_bytes() const { return bits == 8 ? 64 : 32 + 8 * (bits - 4); }
   int64_t row_bytes(int64_t K) const {
@@ -705,12 +705,15 @@ void gemm_rows(const Ctx& ctx, const uint8_t* w, int64_t M) {
   });
 }
 
-// The interleaved layout (Format::interleaved; 4- and 8-bit codes in one-level groups of 32:
-// Q4_0, Q4_1, Q8_0). Weight rows in tiles of 16, each tile 16 row_bytes long: first its codes,
-// units of 64 bytes as 32 16-bit words, word 2l + e of a unit holding codes of row l; then per
-// group of 32 inputs the 16 rows' d (float16), then per group their dm. 4 bits: unit j holds
+// The interleaved layout (Format::interleaved; 4-, 5- and 8-bit codes in one-level groups of 32:
+// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0). Weight rows in tiles of 16, each tile 16 row_bytes long: first its
+// codes, units of 64 bytes as 32 16-bit words, word 2l + e of a unit holding codes of row l; then
+// per group of 32 inputs the 16 rows' d (float16), then per group their dm. 4 bits: unit j holds
 // inputs 8j .. 8j + 7, the nibble at bits 4q of word 2l + e is input 8j + 2q + e; 8 bits: unit j
-// holds inputs 4j .. 4j + 3, byte h of word 2l + e is input 4j + 2h + e. So each nibble position
+// holds inputs 4j .. 4j + 3, byte h of word 2l + e is input 4j + 2h + e. 5 bits: the units as 4
+// bits (the low nibbles), then, after all of them, each unit's bit 4 as four 32-bit masks (16
+// bytes; bit 2l + e of mask q: input 8j + 2q + e of row l), so that a nibble position's bit 4 is
+// a mask over its vector's 32 words (one masked add). So each nibble position
 // of a unit is a vector in which vdpbf16ps lane l is row l and the pair of inputs is the same for
 // every lane: x enters as a broadcast pair, a group's products for 16 rows are summed before one
 // FMA with the 16 rows' scales, and a tile gives 16 outputs with no horizontal sum.
@@ -719,6 +722,8 @@ constexpr int64_t ROWS = 16;
 inline int64_t code_bytes(int64_t K, int bits) { return 2 * bits * K; }                // 16 rows x K x bits / 8
 inline int64_t tile_bytes(int64_t K, int bits) { return code_bytes(K, bits) + 2 * K; }  // + [K / 32][16] d and dm
 inline const uint8_t* tile(const uint8_t* w, int64_t K, int bits, int64_t t) { return w + t * tile_bytes(K, bits); }
+// 5 bits: unit j's four bit-4 masks (after the 8 K bytes of low nibbles)
+inline const uint8_t* high_bits(const uint8_t* tile, int64_t K, int64_t j) { return tile + 8 * K + 16 * j; }
 inline const uint16_t* d(const uint8_t* tile, int64_t K, int bits, int64_t g) {
   return reinterpret_cast<const uint16_t*>(tile + code_bytes(K, bits)) + 16 * g;
 }
@@ -739,7 +744,7 @@ inline const uint16_t* dm(const uint8_t* tile, int64_t K, int bits, int64_t g) {
 // layers, benchmarks/gguf_gemm.py, 2-core EPYC).
 template <int BITS, int MT, int TILES>
 void tile_x16(const uint8_t* w, const Ctx& ctx, int64_t t0, int64_t m0) {
-  constexpr int UNITS = BITS == 4 ? 4 : 8;  // units per group of 32 inputs
+  constexpr int UNITS = BITS == 8 ? 8 : 4;  // units per group of 32 inputs
   constexpr int INPUTS = 32 / UNITS;        // inputs of a unit (per row)
   const int64_t K = ctx.K, groups = K / 32;
   const uint16_t* xb = ctx.xb + m0 * K;
@@ -747,6 +752,7 @@ void tile_x16(const uint8_t* w, const Ctx& ctx, int64_t t0, int64_t m0) {
   const __m512i nibble = _mm512_set1_epi16(0x000f);
   const __m512i bias = _mm512_set1_epi16(0x4300);                          // bf16 128.0: | u makes 128 + u
   const __m512i bias_hi = _mm512_set1_epi16(BITS == 8 ? 0x4500 : 0x4300);  // 8 bits: 2048 + 16 hi
+  const __m512i sixteen = _mm512_set1_epi16(16);                           // 5 bits: bit 4 of u
   __m512 res[TILES][MT];
   for (int tt = 0; tt < TILES; ++tt)
     for (int m = 0; m < MT; ++m) res[tt][m] = _mm512_setzero_ps();
@@ -760,13 +766,26 @@ void tile_x16(const uint8_t* w, const Ctx& ctx, int64_t t0, int64_t m0) {
     for (int u = 0; u < UNITS; ++u) {
       const int64_t j = UNITS * g + u;
       for (int tt = 0; tt < TILES; ++tt) {
-        if (ahead[tt] != nullptr) _mm_prefetch(reinterpret_cast<const char*>(ahead[tt] + 64 * j), _MM_HINT_T1);
-        const __m512i v = _mm512_loadu_si512(X16::tile(w, K, BITS, t0 + tt) + 64 * j);
+        const uint8_t* tile = X16::tile(w, K, BITS, t0 + tt);
+        if (ahead[tt] != nullptr) {
+          _mm_prefetch(reinterpret_cast<const char*>(ahead[tt] + 64 * j), _MM_HINT_T1);
+          if (BITS == 5 && u == 0)  // the group's four units of bit-4 masks: one line
+            _mm_prefetch(reinterpret_cast<const char*>(X16::high_bits(ahead[tt], K, j)), _MM_HINT_T1);
+        }
+        const __m512i v = _mm512_loadu_si512(tile + 64 * j);
         // the unit's nibbles at bits 0, 4, 8 and 12 of each word, as bf16 numbers
-        const __m512i n0 = _mm512_ternarylogic_epi32(v, nibble, bias, AND_OR);
-        const __m512i n1 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nibble, bias_hi, AND_OR);
-        const __m512i n2 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 8), nibble, bias, AND_OR);
-        const __m512i n3 = _mm512_or_si512(_mm512_srli_epi16(v, 12), bias_hi);
+        __m512i n0 = _mm512_ternarylogic_epi32(v, nibble, bias, AND_OR);
+        __m512i n1 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nibble, bias_hi, AND_OR);
+        __m512i n2 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 8), nibble, bias, AND_OR);
+        __m512i n3 = _mm512_or_si512(_mm512_srli_epi16(v, 12), bias_hi);
+        if constexpr (BITS == 5) {  // + 16 where bit 4 is set: 128 + u stays exact (u < 32)
+          uint32_t h[4];
+          std::memcpy(h, X16::high_bits(tile, K, j), 16);
+          n0 = _mm512_mask_add_epi16(n0, __mmask32(h[0]), n0, sixteen);
+          n1 = _mm512_mask_add_epi16(n1, __mmask32(h[1]), n1, sixteen);
+          n2 = _mm512_mask_add_epi16(n2, __mmask32(h[2]), n2, sixteen);
+          n3 = _mm512_mask_add_epi16(n3, __mmask32(h[3]), n3, sixteen);
+        }
         for (int m = 0; m < MT; ++m) {
           // x's input pair p of the unit (inputs INPUTS j + 2p, + 1), broadcast from memory (through
           // an integer register it cost a shift and a GPR-to-vector move each): 4 bits, nibble
@@ -774,9 +793,9 @@ void tile_x16(const uint8_t* w, const Ctx& ctx, int64_t t0, int64_t m0) {
           const float* x2 = reinterpret_cast<const float*>(xb + m * K + INPUTS * j);
           auto pair = [&](int p) { return (__m512bh)_mm512_broadcastss_ps(_mm_load_ss(x2 + p)); };
           acc0[tt][m] = _mm512_dpbf16_ps(acc0[tt][m], (__m512bh)n0, pair(0));
-          acc1[tt][m] = _mm512_dpbf16_ps(acc1[tt][m], (__m512bh)n1, pair(BITS == 4 ? 1 : 0));
-          acc0[tt][m] = _mm512_dpbf16_ps(acc0[tt][m], (__m512bh)n2, pair(BITS == 4 ? 2 : 1));
-          acc1[tt][m] = _mm512_dpbf16_ps(acc1[tt][m], (__m512bh)n3, pair(BITS == 4 ? 3 : 1));
+          acc1[tt][m] = _mm512_dpbf16_ps(acc1[tt][m], (__m512bh)n1, pair(BITS == 8 ? 0 : 1));
+          acc0[tt][m] = _mm512_dpbf16_ps(acc0[tt][m], (__m512bh)n2, pair(BITS == 8 ? 1 : 2));
+          acc1[tt][m] = _mm512_dpbf16_ps(acc1[tt][m], (__m512bh)n3, pair(BITS == 8 ? 1 : 3));
         }
       }
     }
@@ -825,12 +844,19 @@ void gemm_rows_x16(const Ctx& ctx, const uint8_t* w, int64_t M) {
 // Row n of an interleaved weight as bfloat16 (scale * u + offset, rounded once) into dst [K].
 void dequantize_row_x16(const uint8_t* w, int64_t K, int bits, int64_t n, uint16_t* dst) {
   const uint8_t* tile = X16::tile(w, K, bits, n / X16::ROWS);
-  const int64_t l = n % X16::ROWS, per = 32 / bits;  // inputs of a unit per row: 8 or 4
+  const int unit_bits = bits == 5 ? 4 : bits;  // 5 bits: the low nibble in the units, bit 4 in the masks
+  const int64_t l = n % X16::ROWS, per = 32 / unit_bits;  // inputs of a unit per row: 8 or 4
   for (int64_t i = 0; i < K; ++i) {
     const int64_t j = i / per, q = i % per / 2, e = i % 2, g = i / 32;  // q: the nibble (4 bits) or byte (8)
     uint16_t word;
     std::memcpy(&word, tile + 64 * j + 2 * (2 * l + e), 2);
-    const float u = float((word >> (bits * q)) & ((1 << bits) - 1));
+    uint32_t code = (word >> (unit_bits * q)) & ((1 << unit_bits) - 1);
+    if (bits == 5) {
+      uint32_t mask;
+      std::memcpy(&mask, X16::high_bits(tile, K, j) + 4 * q, 4);
+      code |= ((mask >> (2 * l + e)) & 1u) << 4;
+    }
+    const float u = float(code);
     const float scale = _cvtsh_ss(X16::d(tile, K, bits, g)[l]), offset = _cvtsh_ss(X16::dm(tile, K, bits, g)[l]);
     dst[i] = f_to_bf16(std::fma(u, scale, offset));
   }
@@ -928,21 +954,35 @@ void dequantize_b_tiles(const uint8_t* w, int64_t stride, int64_t K, const Forma
 // times the rows' group scale plus offset in fp32, rounded once.
 template <int BITS>
 void dequantize_b_tiles_x16(const uint8_t* tile, int64_t K, uint32_t* dst, int64_t tiles_apart) {
-  constexpr int UNITS = BITS == 4 ? 4 : 8, PAIRS = 16 / BITS;  // per group; pairs per unit: 4 or 2
+  constexpr int UNIT_BITS = BITS == 5 ? 4 : BITS;                  // 5 bits: bit 4 from the masks
+  constexpr int UNITS = BITS == 8 ? 8 : 4, PAIRS = 16 / UNIT_BITS;  // per group; pairs per unit: 4 or 2
   alignas(64) static const uint16_t pairs_of[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i interleave = _mm512_load_si512(pairs_of);  // element 2i: input a of row i, 2i + 1: input b
-  const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
+  const __m512i mask = _mm512_set1_epi32((1 << UNIT_BITS) - 1);
+  const __m512i low_word = _mm512_set1_epi32(0xffff), nibble = _mm512_set1_epi16(0x000f), sixteen = _mm512_set1_epi16(16);
   for (int64_t g = 0; g < K / 32; ++g) {
     const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(X16::d(tile, K, BITS, g))));
     const __m512 o = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(X16::dm(tile, K, BITS, g))));
     for (int u = 0; u < UNITS; ++u) {
       const int64_t j = UNITS * g + u;
       const __m512i v = _mm512_loadu_si512(tile + 64 * j);
-      for (int q = 0; q < PAIRS; ++q) {  // pair p = PAIRS j + q: its even input at bits BITS q, its odd at 16 + BITS q
-        const __m512i codes = _mm512_srli_epi32(v, BITS * q);
-        const __m512 even = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(codes, mask)), s, o);
-        const __m512 odd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(codes, 16), mask)), s, o);
+      uint32_t h[4] = {0, 0, 0, 0};
+      if constexpr (BITS == 5) std::memcpy(h, X16::high_bits(tile, K, j), 16);
+      for (int q = 0; q < PAIRS; ++q) {  // pair p = PAIRS j + q: its even input at bits UNIT_BITS q, its odd at 16 + UNIT_BITS q
+        __m512i even_codes, odd_codes;
+        if constexpr (BITS == 5) {  // the words' nibble q plus 16 where its mask bit is set, then the two words apart
+          __m512i u = _mm512_and_si512(_mm512_srli_epi16(v, 4 * q), nibble);
+          u = _mm512_mask_add_epi16(u, __mmask32(h[q]), u, sixteen);
+          even_codes = _mm512_and_si512(u, low_word);
+          odd_codes = _mm512_srli_epi32(u, 16);
+        } else {
+          const __m512i codes = _mm512_srli_epi32(v, BITS * q);
+          even_codes = _mm512_and_si512(codes, mask);
+          odd_codes = _mm512_and_si512(_mm512_srli_epi32(codes, 16), mask);
+        }
+        const __m512 even = _mm512_fmadd_ps(_mm512_cvtepi32_ps(even_codes), s, o);
+        const __m512 odd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(odd_codes), s, o);
         const __m512i pair = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
         const int64_t p = PAIRS * j + q;
         _mm512_storeu_si512(dst + (p / 16) * tiles_apart * 256 + (p % 16) * 16, pair);
@@ -958,7 +998,7 @@ void dequantize_panel(const Ctx& ctx, const uint8_t* w, int64_t n0, uint32_t* pa
   const int64_t K = ctx.K, stride = ctx.f.row_bytes(K);
   for (int half = 0; half < 2; ++half) {
     if (ctx.f.interleaved) {
-      if constexpr (BITS == 4 || BITS == 8)
+      if constexpr (BITS == 4 || BITS == 5 || BITS == 8)
         dequantize_b_tiles_x16<BITS>(X16::tile(w, K, BITS, n0 / 16 + half), K, panel + 256 * half, 2);
     } else {
       dequantize_b_tiles<BITS, G>(w + (n0 + 16 * half) * stride, stride, K, ctx.f, panel + 256 * half, 2, scratch);
@@ -1104,7 +1144,7 @@ void gemm_format(const Ctx& ctx, const uint8_t* w, int64_t M, bool many) {
 #endif
     return gemm_panel<BITS, G>(ctx, w, M);
   }
-  if constexpr (BITS == 4 || BITS == 8) {
+  if constexpr (BITS == 4 || BITS == 5 || BITS == 8) {
     if (ctx.f.interleaved) return gemm_rows_x16<BITS>(ctx, w, M);
   }
   gemm_rows<BITS, G>(ctx, w, M);
@@ -1126,9 +1166,9 @@ void dispatch(const Format& f, Fn&& fn) {
 Format format_of(int64_t bits, int64_t group, int64_t super_block, int64_t interleave) {
   TORCH_CHECK((group == 16 || group == 32) && super_block % group == 0 && (super_block == group || super_block == 256),
               "gguf kernels: group ", group, " / super-block ", super_block, " not supported");
-  TORCH_CHECK(interleave == 1 || (interleave == 16 && (bits == 4 || bits == 8) && group == 32 && super_block == 32),
+  TORCH_CHECK(interleave == 1 || (interleave == 16 && (bits == 4 || bits == 5 || bits == 8) && group == 32 && super_block == 32),
               "gguf kernels: interleave ", interleave, " for ", bits, "-bit codes in groups of ", group,
-              " (16 is for 4- and 8-bit codes in one-level groups of 32; else 1)");
+              " (16 is for 4-, 5- and 8-bit codes in one-level groups of 32; else 1)");
   return Format{int(bits < 4 ? 4 : bits), int(group), int(super_block), interleave == 16};
 }
 

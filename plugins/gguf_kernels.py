@@ -39,9 +39,10 @@ codes become 64 bytes and one ``vpdpbusd`` per x row multiplies them by 64 int8 
 lanes, scaled per lane by the weight group's scale times the x block's; the offsets still use
 x's exact sums.
 
-Interleaved layout (``pack(..., interleave=True)``, the kernels' ``interleave = 16``; for Q4_0, Q4_1 and Q8_0
-weights whose rows are a multiple of 16, what the ``gguf`` method packs for its ``interleave_types``,
-by default Q4_0 and Q4_1):
+Interleaved layout (``pack(..., interleave=True)``, the kernels' ``interleave = 16``; for Q4_0, Q4_1, Q5_0,
+Q5_1 and Q8_0 weights whose rows are a multiple of 16, what the ``gguf`` method packs for its
+``interleave_types``, by default all five; 5 bits: the units hold the low nibbles and a mask per
+nibble position adds each word's bit 4, one masked add):
 16 weight rows side by side (``pack_x16`` has the bytes). A unit of 64 code bytes is read as 32
 words whose nibbles at bits 0, 4, 8 and 12 become four bf16 vectors (one shift and one
 ternary-logic op each, as ``tile_words``), but here lane l of each is weight row l at one pair of
@@ -97,7 +98,7 @@ _SOURCE = native.read_source(Path(__file__).with_suffix(".cpp"))
 _CFLAGS = native.CFLAGS
 CHUNK = 64
 X16_ROWS = 16  # the interleaved layout's rows per tile (pack_x16); the kernels' ``interleave``
-INTERLEAVABLE_TYPES = ("q4_0", "q4_1", "q8_0")  # 4- and 8-bit codes in one-level groups of 32
+INTERLEAVABLE_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")  # 4-, 5- and 8-bit codes in one-level groups of 32
 PANEL = 32  # the many-rows path (AMX or AVX-512 panels): weight rows dequantized together; N must be a multiple
 
 
@@ -161,9 +162,9 @@ def _bit_planes(bits: torch.Tensor) -> torch.Tensor:
 
 
 def interleavable(n: int, bits: int, group: int, super_block: int) -> bool:
-    """Whether a weight of ``n`` rows can take the interleaved layout: 4- or 8-bit codes in
-    one-level groups of 32 (Q4_0, Q4_1, Q8_0), rows a multiple of 16."""
-    return bits in (4, 8) and group == 32 and super_block == 32 and n % X16_ROWS == 0
+    """Whether a weight of ``n`` rows can take the interleaved layout: 4-, 5- or 8-bit codes in
+    one-level groups of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), rows a multiple of 16."""
+    return bits in (4, 5, 8) and group == 32 and super_block == 32 and n % X16_ROWS == 0
 
 
 def pack(scales: BlockScales, weight: torch.Tensor, interleave: bool = False) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -207,20 +208,30 @@ def pack(scales: BlockScales, weight: torch.Tensor, interleave: bool = False) ->
 
 
 def pack_x16(codes: torch.Tensor, bits: int, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    """The interleaved layout of unsigned 4- or 8-bit codes ``[N, K]`` in one-level groups of 32
+    """The interleaved layout of unsigned 4-, 5- or 8-bit codes ``[N, K]`` in one-level groups of 32
     with ``scale``, ``offset`` ``[N, K / 32]`` (float16 values): rows in tiles of 16, each ``16 x
     row_bytes`` long. A tile: its codes in units of 64 bytes, 32 little-endian 16-bit words each,
     word ``2l + e`` holding codes of row ``l`` (4 bits: unit j is inputs ``8j .. 8j + 7``, the
     nibble at bits ``4q`` input ``8j + 2q + e``; 8 bits: unit j is inputs ``4j .. 4j + 3``, byte
     ``q`` input ``4j + 2q + e``); then the rows' scales per group (``[K / 32, 16]`` float16), then
     their offsets. A unit's nibble positions are then vectors whose 16 lanes are the 16 rows at
-    one pair of inputs (see ``tile_x16`` in the source)."""
+    one pair of inputs (see ``tile_x16`` in the source). 5 bits: the units hold the low nibbles
+    as 4 bits do; after them, per unit ``j``, four little-endian uint32 masks, bit ``2l + e`` of
+    mask ``q`` the bit 4 of row ``l``'s input ``8j + 2q + e`` (the same 10 K bytes per row of 16
+    as the row layout's codes)."""
     n, k = codes.shape
-    tiles, per = n // X16_ROWS, 32 // bits  # per: a unit's inputs of one row (8 or 4)
+    unit_bits = 4 if bits == 5 else bits
+    tiles, per = n // X16_ROWS, 32 // unit_bits  # per: a unit's inputs of one row (8 or 4)
     u = codes.to(torch.int32).view(tiles, X16_ROWS, k // per, per // 2, 2)  # [tile, l, j, q, e]
-    words = sum(u[:, :, :, q] << (bits * q) for q in range(per // 2))  # [tile, l, j, e]
+    low = u & (2**unit_bits - 1)
+    words = sum(low[:, :, :, q] << (unit_bits * q) for q in range(per // 2))  # [tile, l, j, e]
     words = words.permute(0, 2, 1, 3).contiguous()  # [tile, j, l, e]: word 2l + e of unit j
     code_bytes = torch.stack([words & 0xFF, words >> 8], dim=-1).to(torch.uint8).view(tiles, -1)
+    if bits == 5:
+        bit4 = ((u >> 4) & 1).permute(0, 2, 3, 1, 4).reshape(tiles, k // per, 4, 32)  # [tile, j, q, 2l + e]
+        masks = (bit4.to(torch.int64) << torch.arange(32)).sum(-1)  # [tile, j, q] uint32 values
+        mask_bytes = torch.stack([(masks >> (8 * b)) & 0xFF for b in range(4)], dim=-1).to(torch.uint8)
+        code_bytes = torch.cat([code_bytes, mask_bytes.view(tiles, -1)], dim=1)
     def per_group(values: torch.Tensor, what: str) -> torch.Tensor:  # [N, K/32] -> [tile, K/32 x 16] float16 bytes
         half = _f16_exact(values, what).contiguous().view(tiles, X16_ROWS, k // 32).transpose(1, 2).contiguous()
         return half.view(torch.uint8).view(tiles, -1)

@@ -52,12 +52,13 @@ class GGUFOptions(BaseModel):
         "panels (the weights dequantized and rounded to bf16, vdpbf16ps)",
     )
     interleave_types: tuple[str, ...] = Field(
-        ("q4_0", "q4_1", "q8_0"), description="the GGUF types (of q4_0, q4_1, q8_0; a list or a comma-separated string, "
+        ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0"), description="the GGUF types (of q4_0, q4_1, q5_0, q5_1, q8_0; a list or a comma-separated string, "
         "empty = none) kept in the interleaved layout where their rows are a multiple of 16: 16 rows' codes side by "
         "side, so that a vdpbf16ps lane is a weight row and an x row enters as a broadcast pair (benchmarks/gguf_gemm.py, "
         "2-core EPYC, since its reads prefetch the next tiles: Q4_1 1 / 2 / 5 / 8 rows 18% / 34% / 34% / 37% faster "
         "than the row layout, Q8_0 18% / 23% / 25% / 30%, Q8_0 panels at 16-128 rows 4-17% faster; at 128-512 rows "
-        "Q4_1's panels were 3-6% slower). The int8 paths (int8_activations, int8_panels) read the row layout, so either "
+        "Q4_1's panels were 3-6% slower; Q5_0 1 / 2 / 3 / 5 / 8 rows 20% / 29% / 36% / 30% / 34% faster, its panels at "
+        "16 / 64 / 128 / 512 rows 16% / 7% / 8% / 0.5%). The int8 paths (int8_activations, int8_panels) read the row layout, so either "
         "of them turns this off",
     )
 

@@ -97,13 +97,14 @@ def test_few_rows_give_an_x_row_the_same_bits_in_any_batch(kind, tail):
 
 
 @needs_kernels
-@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"])
 def test_the_interleaved_layout_puts_each_code_where_its_docstring_says(kind):
     """``pack_x16`` against the layout written out by hand, code by code: in tile t, word 2l + e of
-    unit j holds row 16t + l's input 8j + 2q + e at bits 4q (4 bits) or 4j + 2q + e at bits 8q (8
-    bits: q8_0's codes as unsigned c + 128, offset -128 d); then each tile's scales and offsets per
-    group for its 16 rows. Q4_0, Q4_1 and Q8_0 with rows a multiple of 16 take it by default; not
-    with the int8 paths, nor with other row counts."""
+    unit j holds row 16t + l's input 8j + 2q + e at bits 4q (4 bits; 5 bits: its low nibble, and
+    its bit 4 is bit 2l + e of the unit's uint32 mask q after the tile's 8 K bytes of units) or
+    4j + 2q + e at bits 8q (8 bits: q8_0's codes as unsigned c + 128, offset -128 d); then each
+    tile's scales and offsets per group for its 16 rows. Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 with rows
+    a multiple of 16 take it by default; not with the int8 paths, nor with other row counts."""
     n, k = 32, 64
     exact, scales = _weight(kind, n=n, k=k, seed=8)
     assert quantize_gguf(exact.bfloat16(), scales, None).interleave == gguf_kernels.X16_ROWS  # the default
@@ -113,7 +114,8 @@ def test_the_interleaved_layout_puts_each_code_where_its_docstring_says(kind):
     bits = gguf_blocks.TYPES[kind].bits
     codes = (scales.codes(exact.bfloat16()).to(torch.int32) + (128 if kind == "q8_0" else 0)).tolist()
     offset = -128.0 * scales.scale.float() if kind == "q8_0" else scales.offset
-    per = 32 // bits  # a unit's inputs of one row
+    unit_bits = 4 if bits == 5 else bits
+    per = 32 // unit_bits  # a unit's inputs of one row
     tile_bytes = 16 * gguf_kernels.row_bytes(k, bits, 32, 32)
     for row in range(n):
         t, l = divmod(row, 16)
@@ -121,7 +123,12 @@ def test_the_interleaved_layout_puts_each_code_where_its_docstring_says(kind):
             j, q, e = i // per, i % per // 2, i % 2
             at = t * tile_bytes + 64 * j + 2 * (2 * l + e)
             word = packed[at] | packed[at + 1] << 8
-            assert (word >> bits * q) & (2**bits - 1) == codes[row][i], (row, i)
+            code = (word >> unit_bits * q) & (2**unit_bits - 1)
+            if bits == 5:
+                at = t * tile_bytes + 8 * k + 16 * j + 4 * q
+                mask = int.from_bytes(bytes(packed[at:at + 4]), "little")
+                code |= (mask >> (2 * l + e) & 1) << 4
+            assert code == codes[row][i], (row, i)
         for g in range(k // 32):
             for field, values in ((0, scales.scale), (1, offset)):
                 at = t * tile_bytes + 2 * bits * k + field * k + 2 * (16 * g + l)
@@ -137,8 +144,8 @@ def test_the_interleaved_layout_puts_each_code_where_its_docstring_says(kind):
 def test_interleave_types_name_what_they_accept():
     assert GGUFOptions(interleave_types="q8_0, q4_1").interleave_types == ("q8_0", "q4_1")  # as a --quantization-option
     assert GGUFOptions(interleave_types="").interleave_types == ()
-    with pytest.raises(ValueError, match=r"interleave_types: \['q5_0'\] cannot be interleaved; accepted: q4_0, q4_1, q8_0"):
-        GGUFOptions(interleave_types="q4_0,q5_0")
+    with pytest.raises(ValueError, match=r"interleave_types: \['q6_k'\] cannot be interleaved; accepted: q4_0, q4_1, q5_0, q5_1, q8_0"):
+        GGUFOptions(interleave_types="q4_0,q6_k")
 
 
 def _int8_reference(x: torch.Tensor, exact: torch.Tensor, scales) -> torch.Tensor:
