@@ -37,7 +37,7 @@ constexpr int64_t PANEL = 32;             // many rows: weight rows dequantized 
 // scales and offsets. bits 2 and 3 are held as 4.
 struct Format {
   int bits, group, super_block;
-  bool interleaved = false;  // 4-, 5- or 8-bit codes in one-level groups of 32, 16 rows interleaved (see X16 below)
+  bool interleaved = false;  // 16 rows interleaved (see X16 below)
   bool two_level() const { return super_block != group; }
   int64_t chunk_bytes() const { return bits == 8 ? 64 : 32 + 8 * (bits - 4); }
   int64_t row_bytes(int64_t K) const {
@@ -705,60 +705,105 @@ void gemm_rows(const Ctx& ctx, const uint8_t* w, int64_t M) {
   });
 }
 
-// The interleaved layout (Format::interleaved; 4-, 5- and 8-bit codes in one-level groups of 32:
-// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0). Weight rows in tiles of 16, each tile 16 row_bytes long: first its
-// codes, units of 64 bytes as 32 16-bit words, word 2l + e of a unit holding codes of row l; then
-// per group of 32 inputs the 16 rows' d (float16), then per group their dm. 4 bits: unit j holds
-// inputs 8j .. 8j + 7, the nibble at bits 4q of word 2l + e is input 8j + 2q + e; 8 bits: unit j
-// holds inputs 4j .. 4j + 3, byte h of word 2l + e is input 4j + 2h + e. 5 bits: the units as 4
-// bits (the low nibbles), then, after all of them, each unit's bit 4 as four 32-bit masks (16
-// bytes; bit 2l + e of mask q: input 8j + 2q + e of row l), so that a nibble position's bit 4 is
-// a mask over its vector's 32 words (one masked add). So each nibble position
+// The interleaved layout (Format::interleaved; every format: Q4_0 .. Q8_0 and the K-quants).
+// Weight rows in tiles of 16, each tile 16 row_bytes long: first its codes, units of 64 bytes as
+// 32 16-bit words, word 2l + e of a unit holding codes of row l; then the scales. 8 bits: unit j
+// holds inputs 4j .. 4j + 3, byte h of word 2l + e is input 4j + 2h + e. Fewer bits (2 and 3 held
+// as 4): unit j holds inputs 8j .. 8j + 7, the nibble at bits 4q of word 2l + e is input 8j + 2q +
+// e (its low 4 bits); 5 and 6 bits: after all the units (8 K bytes), per unit its bit 4 (and 5) as
+// 32-bit masks, plane p's mask q at 16 (bits - 4) j + 16 p + 4 q, bit 2l + e the bit 4 + p of
+// that word's nibble q, so that a nibble position's high bits are masks over its vector's 32 words
+// (one masked add each). The scales, 16 rows side by side: one-level (groups of 32), per group the
+// rows' d then (after all groups) their dm, float16; two-level (K-quants, super-blocks of 256),
+// per group the rows' a (int8), then the o, then per super-block the d (float16), then the dm:
+// scale = d * a and offset = dm * o, in fp32 as the row layout computes them. So each nibble position
 // of a unit is a vector in which vdpbf16ps lane l is row l and the pair of inputs is the same for
 // every lane: x enters as a broadcast pair, a group's products for 16 rows are summed before one
 // FMA with the 16 rows' scales, and a tile gives 16 outputs with no horizontal sum.
 namespace X16 {
 constexpr int64_t ROWS = 16;
-inline int64_t code_bytes(int64_t K, int bits) { return 2 * bits * K; }                // 16 rows x K x bits / 8
-inline int64_t tile_bytes(int64_t K, int bits) { return code_bytes(K, bits) + 2 * K; }  // + [K / 32][16] d and dm
-inline const uint8_t* tile(const uint8_t* w, int64_t K, int bits, int64_t t) { return w + t * tile_bytes(K, bits); }
-// 5 bits: unit j's four bit-4 masks (after the 8 K bytes of low nibbles)
-inline const uint8_t* high_bits(const uint8_t* tile, int64_t K, int64_t j) { return tile + 8 * K + 16 * j; }
-inline const uint16_t* d(const uint8_t* tile, int64_t K, int bits, int64_t g) {
-  return reinterpret_cast<const uint16_t*>(tile + code_bytes(K, bits)) + 16 * g;
+inline int64_t code_bytes(int64_t K, int bits) { return 2 * bits * K; }  // 16 rows x K x bits / 8
+inline int64_t tile_bytes(int64_t K, const Format& f) { return ROWS * f.row_bytes(K); }
+inline const uint8_t* tile(const uint8_t* w, int64_t K, const Format& f, int64_t t) { return w + t * tile_bytes(K, f); }
+// 5 and 6 bits: unit j's bit-plane masks (after the 8 K bytes of low nibbles)
+inline const uint8_t* high_bits(const uint8_t* tile, int64_t K, int bits, int64_t j) {
+  return tile + 8 * K + 16 * (bits - 4) * j;
 }
-inline const uint16_t* dm(const uint8_t* tile, int64_t K, int bits, int64_t g) {
-  return reinterpret_cast<const uint16_t*>(tile + code_bytes(K, bits) + K) + 16 * g;
+inline const uint8_t* meta(const uint8_t* tile, int64_t K, int bits) { return tile + code_bytes(K, bits); }
+// where group g's scale fields start (one-level: d, dm; two-level: a, o), and the super-block's (two-level: d, dm)
+inline const uint8_t* group_fields(const uint8_t* tile, int64_t K, const Format& f, int64_t g) {
+  return meta(tile, K, f.bits) + (f.two_level() ? 16 : 32) * g;
+}
+inline const uint8_t* super_fields(const uint8_t* tile, int64_t K, const Format& f, int64_t g) {
+  return meta(tile, K, f.bits) + 32 * (K / f.group) + 32 * (g * f.group / 256);
+}
+// group g's scales and offsets of the 16 rows
+inline void group_scales(const uint8_t* tile, int64_t K, const Format& f, int64_t g, __m512& scale, __m512& offset) {
+  const uint8_t* at = group_fields(tile, K, f, g);
+  if (!f.two_level()) {
+    scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+    offset = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + K)));  // + 32 x K / 32
+    return;
+  }
+  const int64_t o_apart = 16 * (K / f.group), dm_apart = 32 * (K / 256);
+  const uint8_t* sup = super_fields(tile, K, f, g);
+  const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at))));
+  const __m512 o = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at + o_apart))));
+  scale = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sup))), a);
+  offset = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sup + dm_apart))), o);
+}
+inline void prefetch_group_scales(const uint8_t* tile, int64_t K, const Format& f, int64_t g) {
+  const uint8_t* at = group_fields(tile, K, f, g);
+  if (!f.two_level()) {
+    _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(at + K), _MM_HINT_T1);
+    return;
+  }
+  _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T1);
+  _mm_prefetch(reinterpret_cast<const char*>(at + 16 * (K / f.group)), _MM_HINT_T1);
+  if (g * f.group % 256 == 0) {
+    const uint8_t* sup = super_fields(tile, K, f, g);
+    _mm_prefetch(reinterpret_cast<const char*>(sup), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(sup + 32 * (K / 256)), _MM_HINT_T1);
+  }
+}
+// 5 and 6 bits: unit j's masks into h, plane p's mask q at h[4 p + q]
+template <int BITS>
+inline void unit_masks(const uint8_t* tile, int64_t K, int64_t j, uint32_t* h) {
+  if constexpr (BITS == 5 || BITS == 6) std::memcpy(h, high_bits(tile, K, BITS, j), 16 * (BITS - 4));
 }
 }  // namespace X16
 
 // TILES weight tiles from tile t0 (outputs 16 t0 ..) for MT x rows from m0. Per group: per unit,
-// its four nibble positions as bf16 numbers (4 bits: 128 + u; 8 bits: the low nibble 128 + lo, the
-// high one 2048 + 16 hi, as tile()), positions 0 and 2 into one fp32 chain, 1 and 3 into another,
-// each times x's broadcast pair; then (chains summed) times the rows' scales, plus (dm - 128 d;
-// 8 bits: dm - 2176 d) times x's group sum. The same order of sums for every TILES and MT: an x
-// row gets the same bits in any batch. Each unit and scale read also prefetches (into L2) the
-// same bytes of the tile TILES further on, the next call's: a stream as long as the reads, where
-// prefetch_until ahead of each call (one burst of up to 4 tiles, 23 KB at K = 576) left most of
-// the tiles to come from memory on demand: one row 25% faster, two 34%, five 12% (Q4_1, 30
-// layers, benchmarks/gguf_gemm.py, 2-core EPYC).
-template <int BITS, int MT, int TILES>
+// its four nibble positions as bf16 numbers (4 bits: 128 + u, 5 and 6 bits plus 16 and 32 where
+// the masks say; 8 bits: the low nibble 128 + lo, the high one 2048 + 16 hi, as tile()), positions
+// 0 and 2 into one fp32 chain, 1 and 3 into another, each times x's broadcast pair; then (chains
+// summed) times the rows' scales, plus (offset - 128 scale; 8 bits: - 2176 scale) times x's group
+// sum. The same order of sums for every TILES and MT: an x row gets the same bits in any batch.
+// Each unit and scale read also prefetches (into L2) the same bytes of the tile TILES further on,
+// the next call's: a stream as long as the reads, where prefetch_until ahead of each call (one
+// burst of up to 4 tiles, 23 KB at K = 576) left most of the tiles to come from memory on demand:
+// one row 25% faster, two 34%, five 12% (Q4_1, 30 layers, benchmarks/gguf_gemm.py, 2-core EPYC).
+template <int BITS, int G, int MT, int TILES>
 void tile_x16(const uint8_t* w, const Ctx& ctx, int64_t t0, int64_t m0) {
-  constexpr int UNITS = BITS == 8 ? 8 : 4;  // units per group of 32 inputs
-  constexpr int INPUTS = 32 / UNITS;        // inputs of a unit (per row)
-  const int64_t K = ctx.K, groups = K / 32;
+  constexpr int UNIT_BITS = BITS == 8 ? 8 : 4;
+  constexpr int UNITS = G * UNIT_BITS / 32;  // units per group: 4 (G = 32), 2 (G = 16); 8 bits 8
+  constexpr int INPUTS = 32 / UNIT_BITS;     // inputs of a unit (per row)
+  constexpr int MASK_BYTES = BITS == 5 || BITS == 6 ? 16 * (BITS - 4) : 0;  // per unit
+  const int64_t K = ctx.K, groups = K / G;
+  const Format& f = ctx.f;
   const uint16_t* xb = ctx.xb + m0 * K;
   const float* xs = ctx.xs + m0 * groups;
   const __m512i nibble = _mm512_set1_epi16(0x000f);
   const __m512i bias = _mm512_set1_epi16(0x4300);                          // bf16 128.0: | u makes 128 + u
   const __m512i bias_hi = _mm512_set1_epi16(BITS == 8 ? 0x4500 : 0x4300);  // 8 bits: 2048 + 16 hi
-  const __m512i sixteen = _mm512_set1_epi16(16);                           // 5 bits: bit 4 of u
+  const __m512i plane_value[2] = {_mm512_set1_epi16(16), _mm512_set1_epi16(32)};  // bits 4 and 5 of u
   __m512 res[TILES][MT];
   for (int tt = 0; tt < TILES; ++tt)
     for (int m = 0; m < MT; ++m) res[tt][m] = _mm512_setzero_ps();
   const uint8_t* ahead[TILES];  // the tiles TILES further on (nullptr past the weight's last)
   for (int tt = 0; tt < TILES; ++tt)
-    ahead[tt] = t0 + tt + TILES < ctx.N / X16::ROWS ? X16::tile(w, K, BITS, t0 + tt + TILES) : nullptr;
+    ahead[tt] = t0 + tt + TILES < ctx.N / X16::ROWS ? X16::tile(w, K, f, t0 + tt + TILES) : nullptr;
   for (int64_t g = 0; g < groups; ++g) {
     __m512 acc0[TILES][MT], acc1[TILES][MT];
     for (int tt = 0; tt < TILES; ++tt)
@@ -766,25 +811,23 @@ void tile_x16(const uint8_t* w, const Ctx& ctx, int64_t t0, int64_t m0) {
     for (int u = 0; u < UNITS; ++u) {
       const int64_t j = UNITS * g + u;
       for (int tt = 0; tt < TILES; ++tt) {
-        const uint8_t* tile = X16::tile(w, K, BITS, t0 + tt);
+        const uint8_t* tile = X16::tile(w, K, f, t0 + tt);
         if (ahead[tt] != nullptr) {
           _mm_prefetch(reinterpret_cast<const char*>(ahead[tt] + 64 * j), _MM_HINT_T1);
-          if (BITS == 5 && u == 0)  // the group's four units of bit-4 masks: one line
-            _mm_prefetch(reinterpret_cast<const char*>(X16::high_bits(ahead[tt], K, j)), _MM_HINT_T1);
+          if (MASK_BYTES > 0 && MASK_BYTES * j % 64 == 0)  // the next line of masks
+            _mm_prefetch(reinterpret_cast<const char*>(X16::high_bits(ahead[tt], K, BITS, j)), _MM_HINT_T1);
         }
         const __m512i v = _mm512_loadu_si512(tile + 64 * j);
         // the unit's nibbles at bits 0, 4, 8 and 12 of each word, as bf16 numbers
-        __m512i n0 = _mm512_ternarylogic_epi32(v, nibble, bias, AND_OR);
-        __m512i n1 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nibble, bias_hi, AND_OR);
-        __m512i n2 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 8), nibble, bias, AND_OR);
-        __m512i n3 = _mm512_or_si512(_mm512_srli_epi16(v, 12), bias_hi);
-        if constexpr (BITS == 5) {  // + 16 where bit 4 is set: 128 + u stays exact (u < 32)
-          uint32_t h[4];
-          std::memcpy(h, X16::high_bits(tile, K, j), 16);
-          n0 = _mm512_mask_add_epi16(n0, __mmask32(h[0]), n0, sixteen);
-          n1 = _mm512_mask_add_epi16(n1, __mmask32(h[1]), n1, sixteen);
-          n2 = _mm512_mask_add_epi16(n2, __mmask32(h[2]), n2, sixteen);
-          n3 = _mm512_mask_add_epi16(n3, __mmask32(h[3]), n3, sixteen);
+        __m512i n[4] = {_mm512_ternarylogic_epi32(v, nibble, bias, AND_OR),
+                        _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nibble, bias_hi, AND_OR),
+                        _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 8), nibble, bias, AND_OR),
+                        _mm512_or_si512(_mm512_srli_epi16(v, 12), bias_hi)};
+        if constexpr (MASK_BYTES > 0) {  // + 16 (+ 32) where bit 4 (5) is set: 128 + u stays exact (u < 64)
+          uint32_t h[8];
+          X16::unit_masks<BITS>(tile, K, j, h);
+          for (int p = 0; p < BITS - 4; ++p)
+            for (int q = 0; q < 4; ++q) n[q] = _mm512_mask_add_epi16(n[q], __mmask32(h[4 * p + q]), n[q], plane_value[p]);
         }
         for (int m = 0; m < MT; ++m) {
           // x's input pair p of the unit (inputs INPUTS j + 2p, + 1), broadcast from memory (through
@@ -792,21 +835,17 @@ void tile_x16(const uint8_t* w, const Ctx& ctx, int64_t t0, int64_t m0) {
           // position q takes pair q; 8 bits, positions 0 and 1 pair 0, 2 and 3 pair 1
           const float* x2 = reinterpret_cast<const float*>(xb + m * K + INPUTS * j);
           auto pair = [&](int p) { return (__m512bh)_mm512_broadcastss_ps(_mm_load_ss(x2 + p)); };
-          acc0[tt][m] = _mm512_dpbf16_ps(acc0[tt][m], (__m512bh)n0, pair(0));
-          acc1[tt][m] = _mm512_dpbf16_ps(acc1[tt][m], (__m512bh)n1, pair(BITS == 8 ? 0 : 1));
-          acc0[tt][m] = _mm512_dpbf16_ps(acc0[tt][m], (__m512bh)n2, pair(BITS == 8 ? 1 : 2));
-          acc1[tt][m] = _mm512_dpbf16_ps(acc1[tt][m], (__m512bh)n3, pair(BITS == 8 ? 1 : 3));
+          acc0[tt][m] = _mm512_dpbf16_ps(acc0[tt][m], (__m512bh)n[0], pair(0));
+          acc1[tt][m] = _mm512_dpbf16_ps(acc1[tt][m], (__m512bh)n[1], pair(BITS == 8 ? 0 : 1));
+          acc0[tt][m] = _mm512_dpbf16_ps(acc0[tt][m], (__m512bh)n[2], pair(BITS == 8 ? 1 : 2));
+          acc1[tt][m] = _mm512_dpbf16_ps(acc1[tt][m], (__m512bh)n[3], pair(BITS == 8 ? 1 : 3));
         }
       }
     }
     for (int tt = 0; tt < TILES; ++tt) {
-      const uint8_t* tile = X16::tile(w, K, BITS, t0 + tt);
-      if (ahead[tt] != nullptr) {
-        _mm_prefetch(reinterpret_cast<const char*>(X16::d(ahead[tt], K, BITS, g)), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(X16::dm(ahead[tt], K, BITS, g)), _MM_HINT_T1);
-      }
-      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(X16::d(tile, K, BITS, g))));
-      const __m512 offset = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(X16::dm(tile, K, BITS, g))));
+      if (ahead[tt] != nullptr) X16::prefetch_group_scales(ahead[tt], K, f, g);
+      __m512 scale, offset;
+      X16::group_scales(X16::tile(w, K, f, t0 + tt), K, f, g, scale, offset);
       const __m512 lifted = _mm512_fmadd_ps(scale, _mm512_set1_ps(BITS == 8 ? -2176.f : -128.f), offset);
       for (int m = 0; m < MT; ++m) {
         res[tt][m] = _mm512_fmadd_ps(_mm512_add_ps(acc0[tt][m], acc1[tt][m]), scale, res[tt][m]);
@@ -823,42 +862,47 @@ void tile_x16(const uint8_t* w, const Ctx& ctx, int64_t t0, int64_t m0) {
 // Tiles t0 .. t1 - 1 for MT x rows from m0, several tiles at a time for few x rows (one x row:
 // four tiles, eight vdpbf16ps chains in flight); the first call's tiles prefetched here, each
 // call's reads prefetch the next call's (tile_x16).
-template <int BITS, int MT>
+template <int BITS, int G, int MT>
 void tiles_range_x16(const uint8_t* w, const Ctx& ctx, int64_t m0, int64_t t0, int64_t t1) {
   constexpr int TILES = MT == 1 ? 4 : MT <= 3 ? 2 : 1;
-  const int64_t tb = X16::tile_bytes(ctx.K, BITS);
+  const int64_t tb = X16::tile_bytes(ctx.K, ctx.f);
   int64_t next = t0 * tb;
   prefetch_until(w, next, std::min(t1, t0 + TILES) * tb);
   int64_t t = t0;
-  for (; t + TILES <= t1; t += TILES) tile_x16<BITS, MT, TILES>(w, ctx, t, m0);
-  for (; t < t1; ++t) tile_x16<BITS, MT, 1>(w, ctx, t, m0);
+  for (; t + TILES <= t1; t += TILES) tile_x16<BITS, G, MT, TILES>(w, ctx, t, m0);
+  for (; t < t1; ++t) tile_x16<BITS, G, MT, 1>(w, ctx, t, m0);
 }
 
-template <int BITS>
+template <int BITS, int G>
 void gemm_rows_x16(const Ctx& ctx, const uint8_t* w, int64_t M) {
   at::parallel_for(0, ctx.N / X16::ROWS, 1, [&](int64_t t0, int64_t t1) {
-    for_each_pass(M, [&](auto mt, int64_t m0) { tiles_range_x16<BITS, decltype(mt)::value>(w, ctx, m0, t0, t1); });
+    for_each_pass(M, [&](auto mt, int64_t m0) { tiles_range_x16<BITS, G, decltype(mt)::value>(w, ctx, m0, t0, t1); });
   });
 }
 
 // Row n of an interleaved weight as bfloat16 (scale * u + offset, rounded once) into dst [K].
-void dequantize_row_x16(const uint8_t* w, int64_t K, int bits, int64_t n, uint16_t* dst) {
-  const uint8_t* tile = X16::tile(w, K, bits, n / X16::ROWS);
-  const int unit_bits = bits == 5 ? 4 : bits;  // 5 bits: the low nibble in the units, bit 4 in the masks
+void dequantize_row_x16(const uint8_t* w, int64_t K, const Format& f, int64_t n, uint16_t* dst) {
+  const uint8_t* tile = X16::tile(w, K, f, n / X16::ROWS);
+  const int unit_bits = f.bits == 8 ? 8 : 4;  // fewer bits: the low nibble in the units, bits 4 and 5 in the masks
   const int64_t l = n % X16::ROWS, per = 32 / unit_bits;  // inputs of a unit per row: 8 or 4
+  alignas(64) float scales[16], offsets[16];
   for (int64_t i = 0; i < K; ++i) {
-    const int64_t j = i / per, q = i % per / 2, e = i % 2, g = i / 32;  // q: the nibble (4 bits) or byte (8)
+    const int64_t j = i / per, q = i % per / 2, e = i % 2, g = i / f.group;  // q: the nibble (4 bits) or byte (8)
+    if (i % f.group == 0) {
+      __m512 s, o;
+      X16::group_scales(tile, K, f, g, s, o);
+      _mm512_store_ps(scales, s);
+      _mm512_store_ps(offsets, o);
+    }
     uint16_t word;
     std::memcpy(&word, tile + 64 * j + 2 * (2 * l + e), 2);
-    uint32_t code = (word >> (unit_bits * q)) & ((1 << unit_bits) - 1);
-    if (bits == 5) {
+    uint32_t code = (word >> (unit_bits * q)) & ((1u << unit_bits) - 1);
+    for (int p = 0; p < f.bits - 4 && f.bits < 8; ++p) {
       uint32_t mask;
-      std::memcpy(&mask, X16::high_bits(tile, K, j) + 4 * q, 4);
-      code |= ((mask >> (2 * l + e)) & 1u) << 4;
+      std::memcpy(&mask, X16::high_bits(tile, K, f.bits, j) + 16 * p + 4 * q, 4);
+      code |= ((mask >> (2 * l + e)) & 1u) << (4 + p);
     }
-    const float u = float(code);
-    const float scale = _cvtsh_ss(X16::d(tile, K, bits, g)[l]), offset = _cvtsh_ss(X16::dm(tile, K, bits, g)[l]);
-    dst[i] = f_to_bf16(std::fma(u, scale, offset));
+    dst[i] = f_to_bf16(std::fma(float(code), scales[l], offsets[l]));
   }
 }
 
@@ -952,32 +996,33 @@ void dequantize_b_tiles(const uint8_t* w, int64_t stride, int64_t K, const Forma
 // already one vector over the 16 rows (lane l: row l; its even input in the low word's bits,
 // its odd one in the high word's), so it becomes one B-tile row with no transpose: both inputs
 // times the rows' group scale plus offset in fp32, rounded once.
-template <int BITS>
-void dequantize_b_tiles_x16(const uint8_t* tile, int64_t K, uint32_t* dst, int64_t tiles_apart) {
-  constexpr int UNIT_BITS = BITS == 5 ? 4 : BITS;                  // 5 bits: bit 4 from the masks
-  constexpr int UNITS = BITS == 8 ? 8 : 4, PAIRS = 16 / UNIT_BITS;  // per group; pairs per unit: 4 or 2
+template <int BITS, int G>
+void dequantize_b_tiles_x16(const uint8_t* tile, int64_t K, const Format& f, uint32_t* dst, int64_t tiles_apart) {
+  constexpr int UNIT_BITS = BITS == 8 ? 8 : 4;  // 5 and 6 bits: bits 4 and 5 from the masks
+  constexpr int UNITS = G * UNIT_BITS / 32, PAIRS = 16 / UNIT_BITS;  // per group; pairs per unit: 4 or 2
   alignas(64) static const uint16_t pairs_of[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i interleave = _mm512_load_si512(pairs_of);  // element 2i: input a of row i, 2i + 1: input b
   const __m512i mask = _mm512_set1_epi32((1 << UNIT_BITS) - 1);
-  const __m512i low_word = _mm512_set1_epi32(0xffff), nibble = _mm512_set1_epi16(0x000f), sixteen = _mm512_set1_epi16(16);
-  for (int64_t g = 0; g < K / 32; ++g) {
-    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(X16::d(tile, K, BITS, g))));
-    const __m512 o = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(X16::dm(tile, K, BITS, g))));
+  const __m512i low_word = _mm512_set1_epi32(0xffff), nibble = _mm512_set1_epi16(0x000f);
+  const __m512i plane_value[2] = {_mm512_set1_epi16(16), _mm512_set1_epi16(32)};
+  for (int64_t g = 0; g < K / G; ++g) {
+    __m512 s, o;
+    X16::group_scales(tile, K, f, g, s, o);
     for (int u = 0; u < UNITS; ++u) {
       const int64_t j = UNITS * g + u;
       const __m512i v = _mm512_loadu_si512(tile + 64 * j);
-      uint32_t h[4] = {0, 0, 0, 0};
-      if constexpr (BITS == 5) std::memcpy(h, X16::high_bits(tile, K, j), 16);
+      uint32_t h[8];
+      X16::unit_masks<BITS>(tile, K, j, h);
       for (int q = 0; q < PAIRS; ++q) {  // pair p = PAIRS j + q: its even input at bits UNIT_BITS q, its odd at 16 + UNIT_BITS q
         __m512i even_codes, odd_codes;
-        if constexpr (BITS == 5) {  // the words' nibble q plus 16 where its mask bit is set, then the two words apart
-          __m512i u = _mm512_and_si512(_mm512_srli_epi16(v, 4 * q), nibble);
-          u = _mm512_mask_add_epi16(u, __mmask32(h[q]), u, sixteen);
-          even_codes = _mm512_and_si512(u, low_word);
-          odd_codes = _mm512_srli_epi32(u, 16);
+        if constexpr (BITS == 5 || BITS == 6) {  // the words' nibble q plus the masks' bits, then the two words apart
+          __m512i u16 = _mm512_and_si512(_mm512_srli_epi16(v, 4 * q), nibble);
+          for (int p = 0; p < BITS - 4; ++p) u16 = _mm512_mask_add_epi16(u16, __mmask32(h[4 * p + q]), u16, plane_value[p]);
+          even_codes = _mm512_and_si512(u16, low_word);
+          odd_codes = _mm512_srli_epi32(u16, 16);
         } else {
-          const __m512i codes = _mm512_srli_epi32(v, BITS * q);
+          const __m512i codes = _mm512_srli_epi32(v, UNIT_BITS * q);
           even_codes = _mm512_and_si512(codes, mask);
           odd_codes = _mm512_and_si512(_mm512_srli_epi32(codes, 16), mask);
         }
@@ -998,8 +1043,7 @@ void dequantize_panel(const Ctx& ctx, const uint8_t* w, int64_t n0, uint32_t* pa
   const int64_t K = ctx.K, stride = ctx.f.row_bytes(K);
   for (int half = 0; half < 2; ++half) {
     if (ctx.f.interleaved) {
-      if constexpr (BITS == 4 || BITS == 5 || BITS == 8)
-        dequantize_b_tiles_x16<BITS>(X16::tile(w, K, BITS, n0 / 16 + half), K, panel + 256 * half, 2);
+      dequantize_b_tiles_x16<BITS, G>(X16::tile(w, K, ctx.f, n0 / 16 + half), K, ctx.f, panel + 256 * half, 2);
     } else {
       dequantize_b_tiles<BITS, G>(w + (n0 + 16 * half) * stride, stride, K, ctx.f, panel + 256 * half, 2, scratch);
     }
@@ -1144,9 +1188,7 @@ void gemm_format(const Ctx& ctx, const uint8_t* w, int64_t M, bool many) {
 #endif
     return gemm_panel<BITS, G>(ctx, w, M);
   }
-  if constexpr (BITS == 4 || BITS == 5 || BITS == 8) {
-    if (ctx.f.interleaved) return gemm_rows_x16<BITS>(ctx, w, M);
-  }
+  if (ctx.f.interleaved) return gemm_rows_x16<BITS, G>(ctx, w, M);
   gemm_rows<BITS, G>(ctx, w, M);
 }
 
@@ -1166,9 +1208,8 @@ void dispatch(const Format& f, Fn&& fn) {
 Format format_of(int64_t bits, int64_t group, int64_t super_block, int64_t interleave) {
   TORCH_CHECK((group == 16 || group == 32) && super_block % group == 0 && (super_block == group || super_block == 256),
               "gguf kernels: group ", group, " / super-block ", super_block, " not supported");
-  TORCH_CHECK(interleave == 1 || (interleave == 16 && (bits == 4 || bits == 5 || bits == 8) && group == 32 && super_block == 32),
-              "gguf kernels: interleave ", interleave, " for ", bits, "-bit codes in groups of ", group,
-              " (16 is for 4-, 5- and 8-bit codes in one-level groups of 32; else 1)");
+  TORCH_CHECK(interleave == 1 || interleave == 16, "gguf kernels: interleave ", interleave,
+              " (1: the row layout; 16: 16 rows interleaved)");
   return Format{int(bits < 4 ? 4 : bits), int(group), int(super_block), interleave == 16};
 }
 
@@ -1280,7 +1321,7 @@ at::Tensor dequantize_rows(const at::Tensor& packed, const at::Tensor& ids_in, i
   const int64_t stride = f.row_bytes(K);
   if (f.interleaved) {
     at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) dequantize_row_x16(w, K, f.bits, id[t], o + t * K);
+      for (int64_t t = t0; t < t1; ++t) dequantize_row_x16(w, K, f, id[t], o + t * K);
     });
     return out;
   }

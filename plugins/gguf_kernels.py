@@ -39,10 +39,12 @@ codes become 64 bytes and one ``vpdpbusd`` per x row multiplies them by 64 int8 
 lanes, scaled per lane by the weight group's scale times the x block's; the offsets still use
 x's exact sums.
 
-Interleaved layout (``pack(..., interleave=True)``, the kernels' ``interleave = 16``; for Q4_0, Q4_1, Q5_0,
-Q5_1 and Q8_0 weights whose rows are a multiple of 16, what the ``gguf`` method packs for its
-``interleave_types``, by default all five; 5 bits: the units hold the low nibbles and a mask per
-nibble position adds each word's bit 4, one masked add):
+Interleaved layout (``pack(..., interleave=True)``, the kernels' ``interleave = 16``; for every type's
+weights whose rows are a multiple of 16, what the ``gguf`` method packs for its ``interleave_types``,
+by default all of them; 5 and 6 bits: the units hold the low nibbles and a mask per nibble position
+and bit plane adds each word's bits 4 and 5, one masked add each; the K-quants keep their two-level
+scales, the 16 rows' int8 ``a``, ``o`` per group and float16 ``d``, ``dm`` per super-block, and the
+kernel forms the 16 rows' ``d * a`` and ``dm * o`` per group as the row layout does):
 16 weight rows side by side (``pack_x16`` has the bytes). A unit of 64 code bytes is read as 32
 words whose nibbles at bits 0, 4, 8 and 12 become four bf16 vectors (one shift and one
 ternary-logic op each, as ``tile_words``), but here lane l of each is weight row l at one pair of
@@ -98,7 +100,7 @@ _SOURCE = native.read_source(Path(__file__).with_suffix(".cpp"))
 _CFLAGS = native.CFLAGS
 CHUNK = 64
 X16_ROWS = 16  # the interleaved layout's rows per tile (pack_x16); the kernels' ``interleave``
-INTERLEAVABLE_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")  # 4-, 5- and 8-bit codes in one-level groups of 32
+INTERLEAVABLE_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
 PANEL = 32  # the many-rows path (AMX or AVX-512 panels): weight rows dequantized together; N must be a multiple
 
 
@@ -162,9 +164,9 @@ def _bit_planes(bits: torch.Tensor) -> torch.Tensor:
 
 
 def interleavable(n: int, bits: int, group: int, super_block: int) -> bool:
-    """Whether a weight of ``n`` rows can take the interleaved layout: 4-, 5- or 8-bit codes in
-    one-level groups of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), rows a multiple of 16."""
-    return bits in (4, 5, 8) and group == 32 and super_block == 32 and n % X16_ROWS == 0
+    """Whether a weight of ``n`` rows can take the interleaved layout (every format the kernels
+    have: rows a multiple of 16)."""
+    return n % X16_ROWS == 0
 
 
 def pack(scales: BlockScales, weight: torch.Tensor, interleave: bool = False) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -183,8 +185,13 @@ def pack(scales: BlockScales, weight: torch.Tensor, interleave: bool = False) ->
         codes = codes + 128
     u = codes.to(torch.int32).view(n, k // CHUNK, CHUNK)
     if interleave and interleavable(n, bits, group, super_block):
-        dm = scales.offset if scales.kind != "q8_0" else -128.0 * scales.scale.float()
-        packed = pack_x16(u.view(n, k), bits, scales.scale, dm)
+        if two_level:
+            fields = [scales.scale_codes.to(torch.int8), scales.offset_codes.to(torch.int8),
+                      _f16_exact(scales.super_scale, "a scale"), _f16_exact(scales.super_offset, "an offset")]
+        else:
+            dm = scales.offset if scales.kind != "q8_0" else -128.0 * scales.scale.float()
+            fields = [_f16_exact(scales.scale, "a scale"), _f16_exact(dm, "an offset")]
+        packed = pack_x16(u.view(n, k), held_bits(bits), fields)
         assert packed.shape[1] == row_bytes(k, bits, group, super_block)
         return packed, (bits, group, super_block)
     hb = held_bits(bits)
@@ -207,36 +214,37 @@ def pack(scales: BlockScales, weight: torch.Tensor, interleave: bool = False) ->
     return packed, (bits, group, super_block)
 
 
-def pack_x16(codes: torch.Tensor, bits: int, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    """The interleaved layout of unsigned 4-, 5- or 8-bit codes ``[N, K]`` in one-level groups of 32
-    with ``scale``, ``offset`` ``[N, K / 32]`` (float16 values): rows in tiles of 16, each ``16 x
-    row_bytes`` long. A tile: its codes in units of 64 bytes, 32 little-endian 16-bit words each,
-    word ``2l + e`` holding codes of row ``l`` (4 bits: unit j is inputs ``8j .. 8j + 7``, the
-    nibble at bits ``4q`` input ``8j + 2q + e``; 8 bits: unit j is inputs ``4j .. 4j + 3``, byte
-    ``q`` input ``4j + 2q + e``); then the rows' scales per group (``[K / 32, 16]`` float16), then
-    their offsets. A unit's nibble positions are then vectors whose 16 lanes are the 16 rows at
-    one pair of inputs (see ``tile_x16`` in the source). 5 bits: the units hold the low nibbles
-    as 4 bits do; after them, per unit ``j``, four little-endian uint32 masks, bit ``2l + e`` of
-    mask ``q`` the bit 4 of row ``l``'s input ``8j + 2q + e`` (the same 10 K bytes per row of 16
-    as the row layout's codes)."""
+def pack_x16(codes: torch.Tensor, bits: int, fields: list[torch.Tensor]) -> torch.Tensor:
+    """The interleaved layout of unsigned codes ``[N, K]`` of ``bits`` (4, 5, 6 or 8; 2 and 3 held
+    as 4) with their scale ``fields`` (``[N, F]`` float16 or int8 each, F per group or per
+    super-block: one-level ``d``, ``dm``; two-level ``a``, ``o``, ``d``, ``dm``): rows in tiles of
+    16, each ``16 x row_bytes`` long. A tile: its codes in units of 64 bytes, 32 little-endian
+    16-bit words each, word ``2l + e`` holding codes of row ``l`` (8 bits: unit j is inputs ``4j ..
+    4j + 3``, byte ``q`` input ``4j + 2q + e``; fewer: unit j is inputs ``8j .. 8j + 7``, the nibble
+    at bits ``4q`` the low 4 bits of input ``8j + 2q + e``); 5 and 6 bits: after the units, per unit
+    ``j`` and bit plane ``p`` (bit ``4 + p``), four little-endian uint32 masks, bit ``2l + e`` of
+    mask ``q`` that bit of row ``l``'s input ``8j + 2q + e`` (the same bytes per 16 rows as the row
+    layout's codes); then each field, ``[F, 16]`` (the 16 rows side by side). A unit's nibble
+    positions are then vectors whose 16 lanes are the 16 rows at one pair of inputs (see
+    ``tile_x16`` in the source)."""
     n, k = codes.shape
-    unit_bits = 4 if bits == 5 else bits
+    unit_bits = 8 if bits == 8 else 4
     tiles, per = n // X16_ROWS, 32 // unit_bits  # per: a unit's inputs of one row (8 or 4)
     u = codes.to(torch.int32).view(tiles, X16_ROWS, k // per, per // 2, 2)  # [tile, l, j, q, e]
     low = u & (2**unit_bits - 1)
     words = sum(low[:, :, :, q] << (unit_bits * q) for q in range(per // 2))  # [tile, l, j, e]
     words = words.permute(0, 2, 1, 3).contiguous()  # [tile, j, l, e]: word 2l + e of unit j
-    code_bytes = torch.stack([words & 0xFF, words >> 8], dim=-1).to(torch.uint8).view(tiles, -1)
-    if bits == 5:
-        bit4 = ((u >> 4) & 1).permute(0, 2, 3, 1, 4).reshape(tiles, k // per, 4, 32)  # [tile, j, q, 2l + e]
-        masks = (bit4.to(torch.int64) << torch.arange(32)).sum(-1)  # [tile, j, q] uint32 values
+    parts = [torch.stack([words & 0xFF, words >> 8], dim=-1).to(torch.uint8).view(tiles, -1)]
+    if bits in (5, 6):
+        planes = [((u >> (4 + p)) & 1).permute(0, 2, 3, 1, 4).reshape(tiles, k // per, 4, 32)  # [tile, j, q, 2l + e]
+                  for p in range(bits - 4)]
+        masks = (torch.stack(planes, dim=2).to(torch.int64) << torch.arange(32)).sum(-1)  # [tile, j, p, q] uint32 values
         mask_bytes = torch.stack([(masks >> (8 * b)) & 0xFF for b in range(4)], dim=-1).to(torch.uint8)
-        code_bytes = torch.cat([code_bytes, mask_bytes.view(tiles, -1)], dim=1)
-    def per_group(values: torch.Tensor, what: str) -> torch.Tensor:  # [N, K/32] -> [tile, K/32 x 16] float16 bytes
-        half = _f16_exact(values, what).contiguous().view(tiles, X16_ROWS, k // 32).transpose(1, 2).contiguous()
-        return half.view(torch.uint8).view(tiles, -1)
-    packed = torch.cat([code_bytes, per_group(scale, "a scale"), per_group(offset, "an offset")], dim=1)
-    return packed.view(n, -1).contiguous()
+        parts.append(mask_bytes.view(tiles, -1))
+    for values in fields:  # [N, F] -> [tile, F x 16] bytes
+        side_by_side = values.contiguous().view(tiles, X16_ROWS, -1).transpose(1, 2).contiguous()
+        parts.append(side_by_side.view(torch.uint8).view(tiles, -1))
+    return torch.cat(parts, dim=1).view(n, -1).contiguous()
 
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: tuple[int, int, int], many_min_rows: int,

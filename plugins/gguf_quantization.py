@@ -52,14 +52,15 @@ class GGUFOptions(BaseModel):
         "panels (the weights dequantized and rounded to bf16, vdpbf16ps)",
     )
     interleave_types: tuple[str, ...] = Field(
-        ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0"), description="the GGUF types (of q4_0, q4_1, q5_0, q5_1, q8_0; a list or a comma-separated string, "
+        gguf_kernels.INTERLEAVABLE_TYPES, description="the GGUF types (of q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, q3_k, q4_k, q5_k, q6_k; a list or a comma-separated string, "
         "empty = none) kept in the interleaved layout where their rows are a multiple of 16: 16 rows' codes side by "
         "side, so that a vdpbf16ps lane is a weight row and an x row enters as a broadcast pair (benchmarks/gguf_gemm.py, "
         "2-core EPYC, since its reads prefetch the next tiles: Q4_1 1 / 2 / 5 / 8 rows 18% / 34% / 34% / 37% faster "
         "than the row layout, Q8_0 18% / 23% / 25% / 30%, Q8_0 panels at 16-128 rows 4-17% faster; at 128-512 rows "
         "Q4_1's panels were 3-6% slower; Q5_0 1 / 2 / 3 / 5 / 8 rows 20% / 29% / 36% / 30% / 34% faster, its panels at "
-        "16 / 64 / 128 / 512 rows 16% / 7% / 8% / 0.5%). The int8 paths (int8_activations, int8_panels) read the row layout, so either "
-        "of them turns this off",
+        "16 / 64 / 128 / 512 rows 16% / 7% / 8% / 0.5%; K-quants at 768-2048 inputs, 1 / 2 / 3 rows (7 rounds): Q4_K 16% / "
+        "12% / 18%, Q6_K 2% / 8% / 14%, Q3_K 8% / 10% / 15% faster, and 5-8 rows 4-25%, panels 1-22%). The int8 paths "
+        "(int8_activations, int8_panels) read the row layout, so either of them turns this off",
     )
 
     @field_validator("interleave_types", mode="before")

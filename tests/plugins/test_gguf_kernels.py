@@ -97,26 +97,34 @@ def test_few_rows_give_an_x_row_the_same_bits_in_any_batch(kind, tail):
 
 
 @needs_kernels
-@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_the_interleaved_layout_puts_each_code_where_its_docstring_says(kind):
     """``pack_x16`` against the layout written out by hand, code by code: in tile t, word 2l + e of
-    unit j holds row 16t + l's input 8j + 2q + e at bits 4q (4 bits; 5 bits: its low nibble, and
-    its bit 4 is bit 2l + e of the unit's uint32 mask q after the tile's 8 K bytes of units) or
-    4j + 2q + e at bits 8q (8 bits: q8_0's codes as unsigned c + 128, offset -128 d); then each
-    tile's scales and offsets per group for its 16 rows. Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 with rows
-    a multiple of 16 take it by default; not with the int8 paths, nor with other row counts."""
-    n, k = 32, 64
+    unit j holds row 16t + l's input 4j + 2q + e at bits 8q (8 bits: q8_0's codes as unsigned c +
+    128, offset -128 d), or else the low 4 bits of input 8j + 2q + e at bits 4q, with (5 and 6
+    bits) its bit 4 + p as bit 2l + e of the unit's uint32 mask q of plane p, after the tile's 8 K
+    bytes of units; then the scale fields, 16 rows side by side: one-level, per group of 32 the
+    rows' d, then their dm (float16); two-level (K-quants), per group the rows' a, then their o
+    (int8), then per super-block of 256 their d, then their dm (float16). Every type with rows a
+    multiple of 16 takes it by default; not with the int8 paths, nor with other row counts."""
+    t_ = gguf_blocks.TYPES[kind]
+    two_level = t_.super_block != t_.group
+    n, k = 32, 256 if two_level else 64
     exact, scales = _weight(kind, n=n, k=k, seed=8)
     assert quantize_gguf(exact.bfloat16(), scales, None).interleave == gguf_kernels.X16_ROWS  # the default
     w = quantize_gguf(exact.bfloat16(), scales, GGUFOptions(interleave_types=(kind,)))
     assert w.interleave == gguf_kernels.X16_ROWS
     packed = w.packed.view(-1).tolist()
-    bits = gguf_blocks.TYPES[kind].bits
+    bits = gguf_kernels.held_bits(t_.bits)
     codes = (scales.codes(exact.bfloat16()).to(torch.int32) + (128 if kind == "q8_0" else 0)).tolist()
-    offset = -128.0 * scales.scale.float() if kind == "q8_0" else scales.offset
-    unit_bits = 4 if bits == 5 else bits
+    unit_bits = 8 if bits == 8 else 4
     per = 32 // unit_bits  # a unit's inputs of one row
-    tile_bytes = 16 * gguf_kernels.row_bytes(k, bits, 32, 32)
+    tile_bytes = 16 * gguf_kernels.row_bytes(k, t_.bits, t_.group, t_.super_block)
+
+    def field(at: int, dtype: torch.dtype) -> float:
+        size = 2 if dtype == torch.float16 else 1
+        return torch.tensor(packed[at:at + size], dtype=torch.uint8).view(dtype).item()
+
     for row in range(n):
         t, l = divmod(row, 16)
         for i in range(k):
@@ -124,16 +132,26 @@ def test_the_interleaved_layout_puts_each_code_where_its_docstring_says(kind):
             at = t * tile_bytes + 64 * j + 2 * (2 * l + e)
             word = packed[at] | packed[at + 1] << 8
             code = (word >> unit_bits * q) & (2**unit_bits - 1)
-            if bits == 5:
-                at = t * tile_bytes + 8 * k + 16 * j + 4 * q
+            for p in range(bits - 4 if bits < 8 else 0):
+                at = t * tile_bytes + 8 * k + 16 * (bits - 4) * j + 16 * p + 4 * q
                 mask = int.from_bytes(bytes(packed[at:at + 4]), "little")
-                code |= (mask >> (2 * l + e) & 1) << 4
+                code |= (mask >> (2 * l + e) & 1) << (4 + p)
             assert code == codes[row][i], (row, i)
-        for g in range(k // 32):
-            for field, values in ((0, scales.scale), (1, offset)):
-                at = t * tile_bytes + 2 * bits * k + field * k + 2 * (16 * g + l)
-                half = torch.tensor([packed[at], packed[at + 1]], dtype=torch.uint8).view(torch.float16)
-                assert half.item() == values[row, g].item(), (row, g, field)
+        meta = t * tile_bytes + 2 * bits * k
+        groups, supers = k // t_.group, k // 256
+        if not two_level:
+            offset = -128.0 * scales.scale.float() if kind == "q8_0" else scales.offset
+            for g in range(groups):
+                assert field(meta + 2 * (16 * g + l), torch.float16) == scales.scale[row, g].item(), (row, g)
+                assert field(meta + k + 2 * (16 * g + l), torch.float16) == offset[row, g].item(), (row, g)
+            continue
+        for g in range(groups):
+            assert field(meta + 16 * g + l, torch.int8) == scales.scale_codes[row, g].item(), (row, g)
+            assert field(meta + 16 * groups + 16 * g + l, torch.int8) == scales.offset_codes[row, g].item(), (row, g)
+        for s_ in range(supers):
+            at = meta + 32 * groups + 2 * (16 * s_ + l)
+            assert field(at, torch.float16) == scales.super_scale[row, s_].item(), (row, s_)
+            assert field(at + 32 * supers, torch.float16) == scales.super_offset[row, s_].item(), (row, s_)
     for options in ({"int8_activations": True}, {"int8_panels": True}, {"interleave_types": ()}):
         options = GGUFOptions(interleave_types=(kind,)).model_copy(update=options)
         assert quantize_gguf(exact.bfloat16(), scales, options).interleave == 1, options
@@ -144,8 +162,9 @@ def test_the_interleaved_layout_puts_each_code_where_its_docstring_says(kind):
 def test_interleave_types_name_what_they_accept():
     assert GGUFOptions(interleave_types="q8_0, q4_1").interleave_types == ("q8_0", "q4_1")  # as a --quantization-option
     assert GGUFOptions(interleave_types="").interleave_types == ()
-    with pytest.raises(ValueError, match=r"interleave_types: \['q6_k'\] cannot be interleaved; accepted: q4_0, q4_1, q5_0, q5_1, q8_0"):
-        GGUFOptions(interleave_types="q4_0,q6_k")
+    with pytest.raises(ValueError, match=r"interleave_types: \['iq4_xs'\] cannot be interleaved; accepted: q4_0, q4_1, "
+                       r"q5_0, q5_1, q8_0, q2_k, q3_k, q4_k, q5_k, q6_k"):
+        GGUFOptions(interleave_types="q4_0,iq4_xs")
 
 
 def _int8_reference(x: torch.Tensor, exact: torch.Tensor, scales) -> torch.Tensor:
