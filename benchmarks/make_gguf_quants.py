@@ -9,6 +9,14 @@ and only the 1536-input ``ffn_down`` weights get K-quant blocks; the file lists 
 
     python benchmarks/make_gguf_quants.py                 # Q4_K_M Q5_K_M Q6_K Q8_0 into ~/.cache/paged-peers/gguf
     python benchmarks/make_gguf_quants.py --types Q4_K_M --out /tmp/g
+    python benchmarks/make_gguf_quants.py --width 1024 --layers 16 --types Q4_K_M
+
+``--width H`` writes instead a model whose rows are multiples of 256, as those of most models
+above 1B parameters (so that a Q4_K_M file is mostly Q4_K, with Q6_K): the default model's
+vocabulary, tokenizer, head size (64) and metadata, widened to hidden size H (a multiple of 256;
+H / 64 heads, H / 256 KV heads, FFN 2.75 H), ``--layers`` of them, random normal weights (std
+0.02; norms 1). Its text is noise; its speed is that of such a file (``benchmarks/llamacpp.py
+--gguf FILE``, with ``ignore_eos``).
 """
 
 from __future__ import annotations
@@ -52,6 +60,49 @@ def write_f16(source: Path, target: Path) -> None:
     writer.close()
 
 
+def write_f16_random(source: Path, target: Path, width: int, layers: int, seed: int = 0) -> None:
+    """The default model's metadata and tokenizer with hidden size ``width`` and ``layers`` layers,
+    random F16 weights (see the module's docstring)."""
+    import gguf
+
+    if width % 256:
+        raise SystemExit(f"--width {width}: must be a multiple of 256 (the K-quants' super-block)")
+    reader = gguf.GGUFReader(str(source))
+    arch = reader.fields["general.architecture"].contents()
+    old = {n: int(reader.fields[f"{arch}.{n}"].contents())
+           for n in ("embedding_length", "feed_forward_length", "attention.head_count", "attention.head_count_kv")}
+    head = old["embedding_length"] // old["attention.head_count"]
+    new = {"embedding_length": width, "feed_forward_length": 11 * width // 4, "attention.head_count": width // head,
+           "attention.head_count_kv": width // 256, "block_count": layers}
+    # each dimension of the source's weights, by its size, and what it becomes
+    dims = {old["embedding_length"]: width, old["feed_forward_length"]: new["feed_forward_length"],
+            head * old["attention.head_count_kv"]: head * new["attention.head_count_kv"]}
+    writer = gguf.GGUFWriter(str(target), arch)
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue
+        if field.name == "general.file_type":
+            writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+            continue
+        key = field.name.removeprefix(f"{arch}.")
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, new.get(key, field.contents()), kind, sub_type=sub)
+    rng = np.random.default_rng(seed)
+    for t in reader.tensors:
+        if t.name.startswith("blk.") and int(t.name.split(".")[1]) >= layers:
+            continue
+        shape = tuple(dims.get(int(n), int(n)) for n in reversed(t.shape.tolist()))
+        if len(shape) == 1:
+            writer.add_tensor(t.name, np.ones(shape, dtype=np.float32))
+        else:
+            writer.add_tensor(t.name, (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def held_types(path: Path) -> dict[str, int]:
     import gguf
 
@@ -63,21 +114,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--types", default="Q4_K_M,Q5_K_M,Q6_K,Q8_0")
     parser.add_argument("--out", default=str(Path.home() / ".cache" / "paged-peers" / "gguf"))
     parser.add_argument("--llamacpp-dir", default=os.environ.get("PAGED_LLAMACPP_DIR", str(DEFAULT_DIR)))
+    parser.add_argument("--width", type=int, default=None, help="a random-weight model of this hidden size (see above)")
+    parser.add_argument("--layers", type=int, default=16, help="its layers (with --width)")
     args = parser.parse_args(argv)
 
     from paged.core.loading.gguf import default_gguf_path
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    f16 = out / "SmolLM2-135M-Instruct.F16.gguf"
+    stem = "SmolLM2-135M-Instruct" if args.width is None else f"random-llama-w{args.width}-l{args.layers}"
+    f16 = out / f"{stem}.F16.gguf"
     if not f16.is_file():
-        write_f16(default_gguf_path(), f16)
+        if args.width is None:
+            write_f16(default_gguf_path(), f16)
+        else:
+            write_f16_random(default_gguf_path(), f16, args.width, args.layers)
     tool = Path(args.llamacpp_dir) / "llama-quantize"
     if not tool.is_file():
         raise SystemExit(f"no llama-quantize at {tool}: run ../shared/tools/build-llamacpp.sh")
     env = dict(os.environ, LD_LIBRARY_PATH=f"{args.llamacpp_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}")
     for qtype in args.types.split(","):
-        target = out / f"SmolLM2-135M-Instruct.{qtype}.gguf"
+        target = out / f"{stem}.{qtype}.gguf"
         if not target.is_file():
             subprocess.run([str(tool), str(f16), str(target), qtype, "2"], check=True, env=env,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
