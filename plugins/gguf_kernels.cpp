@@ -710,10 +710,12 @@ void gemm_rows(const Ctx& ctx, const uint8_t* w, int64_t M) {
 // 32 16-bit words, word 2l + e of a unit holding codes of row l; then the scales. 8 bits: unit j
 // holds inputs 4j .. 4j + 3, byte h of word 2l + e is input 4j + 2h + e. Fewer bits (2 and 3 held
 // as 4): unit j holds inputs 8j .. 8j + 7, the nibble at bits 4q of word 2l + e is input 8j + 2q +
-// e (its low 4 bits); 5 and 6 bits: after all the units (8 K bytes), per unit its bit 4 (and 5) as
-// 32-bit masks, plane p's mask q at 16 (bits - 4) j + 16 p + 4 q, bit 2l + e the bit 4 + p of
-// that word's nibble q, so that a nibble position's high bits are masks over its vector's 32 words
-// (one masked add each). The scales, 16 rows side by side: one-level (groups of 32), per group the
+// e (its low 4 bits); after all the units (8 K bytes), 5 bits: per unit its bit 4 as four 32-bit
+// masks, mask q at 16 j + 4 q, bit 2l + e the bit 4 of that word's nibble q, so that a nibble
+// position's bit 4 is a mask over its vector's 32 words (one masked add); 6 bits: per unit 32
+// bytes, byte 2l + e holding word 2l + e's bits 4 and 5 (nibble q's at bits 2q, 2q + 1), widened
+// to the words' lanes once per unit, then one shift and one ternary-logic op per nibble position.
+// The scales, 16 rows side by side: one-level (groups of 32), per group the
 // rows' d then (after all groups) their dm, float16; two-level (K-quants, super-blocks of 256),
 // per group the rows' a (int8), then the o, then per super-block the d (float16), then the dm:
 // scale = d * a and offset = dm * o, in fp32 as the row layout computes them. So each nibble position
@@ -725,7 +727,7 @@ constexpr int64_t ROWS = 16;
 inline int64_t code_bytes(int64_t K, int bits) { return 2 * bits * K; }  // 16 rows x K x bits / 8
 inline int64_t tile_bytes(int64_t K, const Format& f) { return ROWS * f.row_bytes(K); }
 inline const uint8_t* tile(const uint8_t* w, int64_t K, const Format& f, int64_t t) { return w + t * tile_bytes(K, f); }
-// 5 and 6 bits: unit j's bit-plane masks (after the 8 K bytes of low nibbles)
+// 5 and 6 bits: unit j's masks or bytes of bits 4 (and 5) (after the 8 K bytes of low nibbles)
 inline const uint8_t* high_bits(const uint8_t* tile, int64_t K, int bits, int64_t j) {
   return tile + 8 * K + 16 * (bits - 4) * j;
 }
@@ -767,10 +769,24 @@ inline void prefetch_group_scales(const uint8_t* tile, int64_t K, const Format& 
     _mm_prefetch(reinterpret_cast<const char*>(sup + 32 * (K / 256)), _MM_HINT_T1);
   }
 }
-// 5 and 6 bits: unit j's masks into h, plane p's mask q at h[4 p + q]
+// 5 and 6 bits: adds bits 4 (and 5) of unit j's codes to the low nibbles n[q] (16-bit lanes, the
+// code of nibble position q of each word, as an integer or as the bf16 number 128 + u: either way
+// the bits land in u's bits 4 and 5, exact for u < 64)
 template <int BITS>
-inline void unit_masks(const uint8_t* tile, int64_t K, int64_t j, uint32_t* h) {
-  if constexpr (BITS == 5 || BITS == 6) std::memcpy(h, high_bits(tile, K, BITS, j), 16 * (BITS - 4));
+inline void add_high_bits(const uint8_t* tile, int64_t K, int64_t j, __m512i* n) {
+  if constexpr (BITS == 5) {
+    uint32_t h[4];
+    std::memcpy(h, high_bits(tile, K, 5, j), 16);
+    const __m512i sixteen = _mm512_set1_epi16(16);
+    for (int q = 0; q < 4; ++q) n[q] = _mm512_mask_add_epi16(n[q], __mmask32(h[q]), n[q], sixteen);
+  } else if constexpr (BITS == 6) {
+    const __m512i hv = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(high_bits(tile, K, 6, j))));
+    const __m512i bits45 = _mm512_set1_epi16(0x30);
+    n[0] = _mm512_ternarylogic_epi32(_mm512_slli_epi16(hv, 4), bits45, n[0], AND_OR);
+    n[1] = _mm512_ternarylogic_epi32(_mm512_slli_epi16(hv, 2), bits45, n[1], AND_OR);
+    n[2] = _mm512_ternarylogic_epi32(hv, bits45, n[2], AND_OR);
+    n[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(hv, 2), bits45, n[3], AND_OR);
+  }
 }
 }  // namespace X16
 
@@ -789,7 +805,7 @@ void tile_x16(const uint8_t* w, const Ctx& ctx, int64_t t0, int64_t m0) {
   constexpr int UNIT_BITS = BITS == 8 ? 8 : 4;
   constexpr int UNITS = G * UNIT_BITS / 32;  // units per group: 4 (G = 32), 2 (G = 16); 8 bits 8
   constexpr int INPUTS = 32 / UNIT_BITS;     // inputs of a unit (per row)
-  constexpr int MASK_BYTES = BITS == 5 || BITS == 6 ? 16 * (BITS - 4) : 0;  // per unit
+  constexpr int MASK_BYTES = BITS == 5 || BITS == 6 ? 16 * (BITS - 4) : 0;  // bytes of bits 4 (and 5) per unit
   const int64_t K = ctx.K, groups = K / G;
   const Format& f = ctx.f;
   const uint16_t* xb = ctx.xb + m0 * K;
@@ -797,7 +813,6 @@ void tile_x16(const uint8_t* w, const Ctx& ctx, int64_t t0, int64_t m0) {
   const __m512i nibble = _mm512_set1_epi16(0x000f);
   const __m512i bias = _mm512_set1_epi16(0x4300);                          // bf16 128.0: | u makes 128 + u
   const __m512i bias_hi = _mm512_set1_epi16(BITS == 8 ? 0x4500 : 0x4300);  // 8 bits: 2048 + 16 hi
-  const __m512i plane_value[2] = {_mm512_set1_epi16(16), _mm512_set1_epi16(32)};  // bits 4 and 5 of u
   __m512 res[TILES][MT];
   for (int tt = 0; tt < TILES; ++tt)
     for (int m = 0; m < MT; ++m) res[tt][m] = _mm512_setzero_ps();
@@ -814,7 +829,7 @@ void tile_x16(const uint8_t* w, const Ctx& ctx, int64_t t0, int64_t m0) {
         const uint8_t* tile = X16::tile(w, K, f, t0 + tt);
         if (ahead[tt] != nullptr) {
           _mm_prefetch(reinterpret_cast<const char*>(ahead[tt] + 64 * j), _MM_HINT_T1);
-          if (MASK_BYTES > 0 && MASK_BYTES * j % 64 == 0)  // the next line of masks
+          if (MASK_BYTES > 0 && MASK_BYTES * j % 64 == 0)  // the next line of high bits
             _mm_prefetch(reinterpret_cast<const char*>(X16::high_bits(ahead[tt], K, BITS, j)), _MM_HINT_T1);
         }
         const __m512i v = _mm512_loadu_si512(tile + 64 * j);
@@ -823,12 +838,7 @@ void tile_x16(const uint8_t* w, const Ctx& ctx, int64_t t0, int64_t m0) {
                         _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nibble, bias_hi, AND_OR),
                         _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 8), nibble, bias, AND_OR),
                         _mm512_or_si512(_mm512_srli_epi16(v, 12), bias_hi)};
-        if constexpr (MASK_BYTES > 0) {  // + 16 (+ 32) where bit 4 (5) is set: 128 + u stays exact (u < 64)
-          uint32_t h[8];
-          X16::unit_masks<BITS>(tile, K, j, h);
-          for (int p = 0; p < BITS - 4; ++p)
-            for (int q = 0; q < 4; ++q) n[q] = _mm512_mask_add_epi16(n[q], __mmask32(h[4 * p + q]), n[q], plane_value[p]);
-        }
+        X16::add_high_bits<BITS>(tile, K, j, n);
         for (int m = 0; m < MT; ++m) {
           // x's input pair p of the unit (inputs INPUTS j + 2p, + 1), broadcast from memory (through
           // an integer register it cost a shift and a GPR-to-vector move each): 4 bits, nibble
@@ -897,10 +907,12 @@ void dequantize_row_x16(const uint8_t* w, int64_t K, const Format& f, int64_t n,
     uint16_t word;
     std::memcpy(&word, tile + 64 * j + 2 * (2 * l + e), 2);
     uint32_t code = (word >> (unit_bits * q)) & ((1u << unit_bits) - 1);
-    for (int p = 0; p < f.bits - 4 && f.bits < 8; ++p) {
+    if (f.bits == 5) {
       uint32_t mask;
-      std::memcpy(&mask, X16::high_bits(tile, K, f.bits, j) + 16 * p + 4 * q, 4);
-      code |= ((mask >> (2 * l + e)) & 1u) << (4 + p);
+      std::memcpy(&mask, X16::high_bits(tile, K, 5, j) + 4 * q, 4);
+      code |= ((mask >> (2 * l + e)) & 1u) << 4;
+    } else if (f.bits == 6) {
+      code |= ((X16::high_bits(tile, K, 6, j)[2 * l + e] >> (2 * q)) & 3u) << 4;
     }
     dst[i] = f_to_bf16(std::fma(float(code), scales[l], offsets[l]));
   }
@@ -1005,22 +1017,22 @@ void dequantize_b_tiles_x16(const uint8_t* tile, int64_t K, const Format& f, uin
   const __m512i interleave = _mm512_load_si512(pairs_of);  // element 2i: input a of row i, 2i + 1: input b
   const __m512i mask = _mm512_set1_epi32((1 << UNIT_BITS) - 1);
   const __m512i low_word = _mm512_set1_epi32(0xffff), nibble = _mm512_set1_epi16(0x000f);
-  const __m512i plane_value[2] = {_mm512_set1_epi16(16), _mm512_set1_epi16(32)};
   for (int64_t g = 0; g < K / G; ++g) {
     __m512 s, o;
     X16::group_scales(tile, K, f, g, s, o);
     for (int u = 0; u < UNITS; ++u) {
       const int64_t j = UNITS * g + u;
       const __m512i v = _mm512_loadu_si512(tile + 64 * j);
-      uint32_t h[8];
-      X16::unit_masks<BITS>(tile, K, j, h);
+      __m512i u16[4];  // 5 and 6 bits: each word's codes as integers, nibble position q's in u16[q]
+      if constexpr (BITS == 5 || BITS == 6) {
+        for (int q = 0; q < 4; ++q) u16[q] = _mm512_and_si512(_mm512_srli_epi16(v, 4 * q), nibble);
+        X16::add_high_bits<BITS>(tile, K, j, u16);
+      }
       for (int q = 0; q < PAIRS; ++q) {  // pair p = PAIRS j + q: its even input at bits UNIT_BITS q, its odd at 16 + UNIT_BITS q
         __m512i even_codes, odd_codes;
-        if constexpr (BITS == 5 || BITS == 6) {  // the words' nibble q plus the masks' bits, then the two words apart
-          __m512i u16 = _mm512_and_si512(_mm512_srli_epi16(v, 4 * q), nibble);
-          for (int p = 0; p < BITS - 4; ++p) u16 = _mm512_mask_add_epi16(u16, __mmask32(h[4 * p + q]), u16, plane_value[p]);
-          even_codes = _mm512_and_si512(u16, low_word);
-          odd_codes = _mm512_srli_epi32(u16, 16);
+        if constexpr (BITS == 5 || BITS == 6) {  // the two words apart
+          even_codes = _mm512_and_si512(u16[q], low_word);
+          odd_codes = _mm512_srli_epi32(u16[q], 16);
         } else {
           const __m512i codes = _mm512_srli_epi32(v, UNIT_BITS * q);
           even_codes = _mm512_and_si512(codes, mask);

@@ -221,10 +221,11 @@ def pack_x16(codes: torch.Tensor, bits: int, fields: list[torch.Tensor]) -> torc
     16, each ``16 x row_bytes`` long. A tile: its codes in units of 64 bytes, 32 little-endian
     16-bit words each, word ``2l + e`` holding codes of row ``l`` (8 bits: unit j is inputs ``4j ..
     4j + 3``, byte ``q`` input ``4j + 2q + e``; fewer: unit j is inputs ``8j .. 8j + 7``, the nibble
-    at bits ``4q`` the low 4 bits of input ``8j + 2q + e``); 5 and 6 bits: after the units, per unit
-    ``j`` and bit plane ``p`` (bit ``4 + p``), four little-endian uint32 masks, bit ``2l + e`` of
-    mask ``q`` that bit of row ``l``'s input ``8j + 2q + e`` (the same bytes per 16 rows as the row
-    layout's codes); then each field, ``[F, 16]`` (the 16 rows side by side). A unit's nibble
+    at bits ``4q`` the low 4 bits of input ``8j + 2q + e``); after the units, 5 bits: per unit ``j``
+    four little-endian uint32 masks, bit ``2l + e`` of mask ``q`` the bit 4 of row ``l``'s input
+    ``8j + 2q + e``; 6 bits: per unit 32 bytes, byte ``2l + e`` holding bits 4 and 5 of those
+    inputs, nibble ``q``'s at bits ``2q``, ``2q + 1`` (either way the same bytes per 16 rows as the
+    row layout's codes); then each field, ``[F, 16]`` (the 16 rows side by side). A unit's nibble
     positions are then vectors whose 16 lanes are the 16 rows at one pair of inputs (see
     ``tile_x16`` in the source)."""
     n, k = codes.shape
@@ -235,12 +236,15 @@ def pack_x16(codes: torch.Tensor, bits: int, fields: list[torch.Tensor]) -> torc
     words = sum(low[:, :, :, q] << (unit_bits * q) for q in range(per // 2))  # [tile, l, j, e]
     words = words.permute(0, 2, 1, 3).contiguous()  # [tile, j, l, e]: word 2l + e of unit j
     parts = [torch.stack([words & 0xFF, words >> 8], dim=-1).to(torch.uint8).view(tiles, -1)]
-    if bits in (5, 6):
-        planes = [((u >> (4 + p)) & 1).permute(0, 2, 3, 1, 4).reshape(tiles, k // per, 4, 32)  # [tile, j, q, 2l + e]
-                  for p in range(bits - 4)]
-        masks = (torch.stack(planes, dim=2).to(torch.int64) << torch.arange(32)).sum(-1)  # [tile, j, p, q] uint32 values
+    if bits == 5:
+        bit4 = ((u >> 4) & 1).permute(0, 2, 3, 1, 4).reshape(tiles, k // per, 4, 32)  # [tile, j, q, 2l + e]
+        masks = (bit4.to(torch.int64) << torch.arange(32)).sum(-1)  # [tile, j, q] uint32 values
         mask_bytes = torch.stack([(masks >> (8 * b)) & 0xFF for b in range(4)], dim=-1).to(torch.uint8)
         parts.append(mask_bytes.view(tiles, -1))
+    elif bits == 6:
+        high = ((u >> 4) & 3).permute(0, 2, 1, 4, 3)  # [tile, j, l, e, q]
+        high_bytes = (high << (2 * torch.arange(4))).sum(-1).to(torch.uint8)  # [tile, j, 2l + e]
+        parts.append(high_bytes.view(tiles, -1))
     for values in fields:  # [N, F] -> [tile, F x 16] bytes
         side_by_side = values.contiguous().view(tiles, X16_ROWS, -1).transpose(1, 2).contiguous()
         parts.append(side_by_side.view(torch.uint8).view(tiles, -1))

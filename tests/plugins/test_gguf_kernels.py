@@ -101,9 +101,10 @@ def test_few_rows_give_an_x_row_the_same_bits_in_any_batch(kind, tail):
 def test_the_interleaved_layout_puts_each_code_where_its_docstring_says(kind):
     """``pack_x16`` against the layout written out by hand, code by code: in tile t, word 2l + e of
     unit j holds row 16t + l's input 4j + 2q + e at bits 8q (8 bits: q8_0's codes as unsigned c +
-    128, offset -128 d), or else the low 4 bits of input 8j + 2q + e at bits 4q, with (5 and 6
-    bits) its bit 4 + p as bit 2l + e of the unit's uint32 mask q of plane p, after the tile's 8 K
-    bytes of units; then the scale fields, 16 rows side by side: one-level, per group of 32 the
+    128, offset -128 d), or else the low 4 bits of input 8j + 2q + e at bits 4q, with, after the
+    tile's 8 K bytes of units, its bit 4 as bit 2l + e of the unit's uint32 mask q (5 bits) or its
+    bits 4 and 5 at bits 2q, 2q + 1 of the unit's byte 2l + e (6 bits); then the scale fields, 16
+    rows side by side: one-level, per group of 32 the
     rows' d, then their dm (float16); two-level (K-quants), per group the rows' a, then their o
     (int8), then per super-block of 256 their d, then their dm (float16). Every type with rows a
     multiple of 16 takes it by default; not with the int8 paths, nor with other row counts."""
@@ -132,10 +133,12 @@ def test_the_interleaved_layout_puts_each_code_where_its_docstring_says(kind):
             at = t * tile_bytes + 64 * j + 2 * (2 * l + e)
             word = packed[at] | packed[at + 1] << 8
             code = (word >> unit_bits * q) & (2**unit_bits - 1)
-            for p in range(bits - 4 if bits < 8 else 0):
-                at = t * tile_bytes + 8 * k + 16 * (bits - 4) * j + 16 * p + 4 * q
+            if bits == 5:
+                at = t * tile_bytes + 8 * k + 16 * j + 4 * q
                 mask = int.from_bytes(bytes(packed[at:at + 4]), "little")
-                code |= (mask >> (2 * l + e) & 1) << (4 + p)
+                code |= (mask >> (2 * l + e) & 1) << 4
+            elif bits == 6:
+                code |= (packed[t * tile_bytes + 8 * k + 32 * j + 2 * l + e] >> 2 * q & 3) << 4
             assert code == codes[row][i], (row, i)
         meta = t * tile_bytes + 2 * bits * k
         groups, supers = k // t_.group, k // 256
