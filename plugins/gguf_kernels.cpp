@@ -725,62 +725,51 @@ void gemm_rows(const Ctx& ctx, const uint8_t* w, int64_t M) {
 namespace X16 {
 constexpr int64_t ROWS = 16;
 inline int64_t code_bytes(int64_t K, int bits) { return 2 * bits * K; }  // 16 rows x K x bits / 8
-inline int64_t tile_bytes(int64_t K, const Format& f) { return ROWS * f.row_bytes(K); }
-inline const uint8_t* tile(const uint8_t* w, int64_t K, const Format& f, int64_t t) { return w + t * tile_bytes(K, f); }
-// 5 and 6 bits: unit j's masks or bytes of bits 4 (and 5) (after the 8 K bytes of low nibbles)
-inline const uint8_t* high_bits(const uint8_t* tile, int64_t K, int bits, int64_t j) {
-  return tile + 8 * K + 16 * (bits - 4) * j;
-}
-inline const uint8_t* meta(const uint8_t* tile, int64_t K, int bits) { return tile + code_bytes(K, bits); }
-// where group g's scale fields start (one-level: d, dm; two-level: a, o), and the super-block's (two-level: d, dm)
-inline const uint8_t* group_fields(const uint8_t* tile, int64_t K, const Format& f, int64_t g) {
-  return meta(tile, K, f.bits) + (f.two_level() ? 16 : 32) * g;
-}
-inline const uint8_t* super_fields(const uint8_t* tile, int64_t K, const Format& f, int64_t g) {
-  return meta(tile, K, f.bits) + 32 * (K / f.group) + 32 * (g * f.group / 256);
-}
-// group g's scales and offsets of the 16 rows
-inline void group_scales(const uint8_t* tile, int64_t K, const Format& f, int64_t g, __m512& scale, __m512& offset) {
-  const uint8_t* at = group_fields(tile, K, f, g);
-  if (!f.two_level()) {
+// An interleaved weight's offsets for K inputs, computed once per call (they divide: not per tile)
+struct Layout {
+  int64_t K, tile_bytes, meta, groups, o_apart, dm_apart;
+  int bits, group;
+  bool two_level;
+  Layout(int64_t K_, const Format& f)
+      : K(K_), tile_bytes(ROWS * f.row_bytes(K_)), meta(code_bytes(K_, f.bits)), groups(K_ / f.group),
+        o_apart(16 * (K_ / f.group)), dm_apart(f.two_level() ? 32 * (K_ / 256) : K_), bits(f.bits), group(f.group),
+        two_level(f.two_level()) {}
+  const uint8_t* tile(const uint8_t* w, int64_t t) const { return w + t * tile_bytes; }
+  // 5 and 6 bits: unit j's masks or bytes of bits 4 (and 5) (after the 8 K bytes of low nibbles)
+  const uint8_t* high_bits(const uint8_t* tile, int64_t j) const { return tile + 8 * K + 16 * (bits - 4) * j; }
+  // group g's scale fields (one-level: d, then dm dm_apart on; two-level: a, then o o_apart on)
+  const uint8_t* group_fields(const uint8_t* tile, int64_t g) const { return tile + meta + (two_level ? 16 : 32) * g; }
+  // two-level: the super-block of group g (d, then dm dm_apart on)
+  const uint8_t* super_fields(const uint8_t* tile, int64_t g) const {
+    return tile + meta + 32 * groups + 32 * (g * group / 256);
+  }
+};
+// group g's scales and offsets of the 16 rows (two-level: d * a and dm * o in fp32, as the row layout)
+inline void group_scales(const uint8_t* tile, const Layout& L, int64_t g, __m512& scale, __m512& offset) {
+  const uint8_t* at = L.group_fields(tile, g);
+  if (!L.two_level) {
     scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
-    offset = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + K)));  // + 32 x K / 32
+    offset = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + L.dm_apart)));
     return;
   }
-  const int64_t o_apart = 16 * (K / f.group), dm_apart = 32 * (K / 256);
-  const uint8_t* sup = super_fields(tile, K, f, g);
+  const uint8_t* sup = L.super_fields(tile, g);
   const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at))));
-  const __m512 o = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at + o_apart))));
+  const __m512 o = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at + L.o_apart))));
   scale = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sup))), a);
-  offset = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sup + dm_apart))), o);
-}
-inline void prefetch_group_scales(const uint8_t* tile, int64_t K, const Format& f, int64_t g) {
-  const uint8_t* at = group_fields(tile, K, f, g);
-  if (!f.two_level()) {
-    _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T1);
-    _mm_prefetch(reinterpret_cast<const char*>(at + K), _MM_HINT_T1);
-    return;
-  }
-  _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T1);
-  _mm_prefetch(reinterpret_cast<const char*>(at + 16 * (K / f.group)), _MM_HINT_T1);
-  if (g * f.group % 256 == 0) {
-    const uint8_t* sup = super_fields(tile, K, f, g);
-    _mm_prefetch(reinterpret_cast<const char*>(sup), _MM_HINT_T1);
-    _mm_prefetch(reinterpret_cast<const char*>(sup + 32 * (K / 256)), _MM_HINT_T1);
-  }
+  offset = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sup + L.dm_apart))), o);
 }
 // 5 and 6 bits: adds bits 4 (and 5) of unit j's codes to the low nibbles n[q] (16-bit lanes, the
 // code of nibble position q of each word, as an integer or as the bf16 number 128 + u: either way
 // the bits land in u's bits 4 and 5, exact for u < 64)
 template <int BITS>
-inline void add_high_bits(const uint8_t* tile, int64_t K, int64_t j, __m512i* n) {
+inline void add_high_bits(const uint8_t* tile, const Layout& L, int64_t j, __m512i* n) {
   if constexpr (BITS == 5) {
     uint32_t h[4];
-    std::memcpy(h, high_bits(tile, K, 5, j), 16);
+    std::memcpy(h, L.high_bits(tile, j), 16);
     const __m512i sixteen = _mm512_set1_epi16(16);
     for (int q = 0; q < 4; ++q) n[q] = _mm512_mask_add_epi16(n[q], __mmask32(h[q]), n[q], sixteen);
   } else if constexpr (BITS == 6) {
-    const __m512i hv = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(high_bits(tile, K, 6, j))));
+    const __m512i hv = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(L.high_bits(tile, j))));
     const __m512i bits45 = _mm512_set1_epi16(0x30);
     n[0] = _mm512_ternarylogic_epi32(_mm512_slli_epi16(hv, 4), bits45, n[0], AND_OR);
     n[1] = _mm512_ternarylogic_epi32(_mm512_slli_epi16(hv, 2), bits45, n[1], AND_OR);
@@ -801,13 +790,12 @@ inline void add_high_bits(const uint8_t* tile, int64_t K, int64_t j, __m512i* n)
 // burst of up to 4 tiles, 23 KB at K = 576) left most of the tiles to come from memory on demand:
 // one row 25% faster, two 34%, five 12% (Q4_1, 30 layers, benchmarks/gguf_gemm.py, 2-core EPYC).
 template <int BITS, int G, int MT, int TILES>
-void tile_x16(const uint8_t* w, const Ctx& ctx, int64_t t0, int64_t m0) {
+void tile_x16(const uint8_t* w, const Ctx& ctx, const X16::Layout& L, int64_t t0, int64_t m0) {
   constexpr int UNIT_BITS = BITS == 8 ? 8 : 4;
   constexpr int UNITS = G * UNIT_BITS / 32;  // units per group: 4 (G = 32), 2 (G = 16); 8 bits 8
   constexpr int INPUTS = 32 / UNIT_BITS;     // inputs of a unit (per row)
   constexpr int MASK_BYTES = BITS == 5 || BITS == 6 ? 16 * (BITS - 4) : 0;  // bytes of bits 4 (and 5) per unit
   const int64_t K = ctx.K, groups = K / G;
-  const Format& f = ctx.f;
   const uint16_t* xb = ctx.xb + m0 * K;
   const float* xs = ctx.xs + m0 * groups;
   const __m512i nibble = _mm512_set1_epi16(0x000f);
@@ -816,9 +804,13 @@ void tile_x16(const uint8_t* w, const Ctx& ctx, int64_t t0, int64_t m0) {
   __m512 res[TILES][MT];
   for (int tt = 0; tt < TILES; ++tt)
     for (int m = 0; m < MT; ++m) res[tt][m] = _mm512_setzero_ps();
+  const int64_t second_field = L.two_level ? L.o_apart : L.dm_apart;  // o or dm, from a or d
+  const uint8_t* tiles[TILES];  // this call's tiles
   const uint8_t* ahead[TILES];  // the tiles TILES further on (nullptr past the weight's last)
-  for (int tt = 0; tt < TILES; ++tt)
-    ahead[tt] = t0 + tt + TILES < ctx.N / X16::ROWS ? X16::tile(w, K, f, t0 + tt + TILES) : nullptr;
+  for (int tt = 0; tt < TILES; ++tt) {
+    tiles[tt] = L.tile(w, t0 + tt);
+    ahead[tt] = t0 + tt + TILES < ctx.N / X16::ROWS ? L.tile(w, t0 + tt + TILES) : nullptr;
+  }
   for (int64_t g = 0; g < groups; ++g) {
     __m512 acc0[TILES][MT], acc1[TILES][MT];
     for (int tt = 0; tt < TILES; ++tt)
@@ -826,11 +818,11 @@ void tile_x16(const uint8_t* w, const Ctx& ctx, int64_t t0, int64_t m0) {
     for (int u = 0; u < UNITS; ++u) {
       const int64_t j = UNITS * g + u;
       for (int tt = 0; tt < TILES; ++tt) {
-        const uint8_t* tile = X16::tile(w, K, f, t0 + tt);
+        const uint8_t* tile = tiles[tt];
         if (ahead[tt] != nullptr) {
           _mm_prefetch(reinterpret_cast<const char*>(ahead[tt] + 64 * j), _MM_HINT_T1);
           if (MASK_BYTES > 0 && MASK_BYTES * j % 64 == 0)  // the next line of high bits
-            _mm_prefetch(reinterpret_cast<const char*>(X16::high_bits(ahead[tt], K, BITS, j)), _MM_HINT_T1);
+            _mm_prefetch(reinterpret_cast<const char*>(L.high_bits(ahead[tt], j)), _MM_HINT_T1);
         }
         const __m512i v = _mm512_loadu_si512(tile + 64 * j);
         // the unit's nibbles at bits 0, 4, 8 and 12 of each word, as bf16 numbers
@@ -838,7 +830,7 @@ void tile_x16(const uint8_t* w, const Ctx& ctx, int64_t t0, int64_t m0) {
                         _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nibble, bias_hi, AND_OR),
                         _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 8), nibble, bias, AND_OR),
                         _mm512_or_si512(_mm512_srli_epi16(v, 12), bias_hi)};
-        X16::add_high_bits<BITS>(tile, K, j, n);
+        X16::add_high_bits<BITS>(tile, L, j, n);
         for (int m = 0; m < MT; ++m) {
           // x's input pair p of the unit (inputs INPUTS j + 2p, + 1), broadcast from memory (through
           // an integer register it cost a shift and a GPR-to-vector move each): 4 bits, nibble
@@ -853,9 +845,18 @@ void tile_x16(const uint8_t* w, const Ctx& ctx, int64_t t0, int64_t m0) {
       }
     }
     for (int tt = 0; tt < TILES; ++tt) {
-      if (ahead[tt] != nullptr) X16::prefetch_group_scales(ahead[tt], K, f, g);
+      if (ahead[tt] != nullptr) {  // (written out here: from a helper function GCC 12 dropped these prefetches)
+        const uint8_t* at = L.group_fields(ahead[tt], g);
+        _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(at + second_field), _MM_HINT_T1);
+        if (L.two_level && g * G % 256 == 0) {
+          const uint8_t* sup = L.super_fields(ahead[tt], g);
+          _mm_prefetch(reinterpret_cast<const char*>(sup), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(sup + L.dm_apart), _MM_HINT_T1);
+        }
+      }
       __m512 scale, offset;
-      X16::group_scales(X16::tile(w, K, f, t0 + tt), K, f, g, scale, offset);
+      X16::group_scales(tiles[tt], L, g, scale, offset);
       const __m512 lifted = _mm512_fmadd_ps(scale, _mm512_set1_ps(BITS == 8 ? -2176.f : -128.f), offset);
       for (int m = 0; m < MT; ++m) {
         res[tt][m] = _mm512_fmadd_ps(_mm512_add_ps(acc0[tt][m], acc1[tt][m]), scale, res[tt][m]);
@@ -873,46 +874,47 @@ void tile_x16(const uint8_t* w, const Ctx& ctx, int64_t t0, int64_t m0) {
 // four tiles, eight vdpbf16ps chains in flight); the first call's tiles prefetched here, each
 // call's reads prefetch the next call's (tile_x16).
 template <int BITS, int G, int MT>
-void tiles_range_x16(const uint8_t* w, const Ctx& ctx, int64_t m0, int64_t t0, int64_t t1) {
+void tiles_range_x16(const uint8_t* w, const Ctx& ctx, const X16::Layout& L, int64_t m0, int64_t t0, int64_t t1) {
   constexpr int TILES = MT == 1 ? 4 : MT <= 3 ? 2 : 1;
-  const int64_t tb = X16::tile_bytes(ctx.K, ctx.f);
-  int64_t next = t0 * tb;
-  prefetch_until(w, next, std::min(t1, t0 + TILES) * tb);
+  int64_t next = t0 * L.tile_bytes;
+  prefetch_until(w, next, std::min(t1, t0 + TILES) * L.tile_bytes);
   int64_t t = t0;
-  for (; t + TILES <= t1; t += TILES) tile_x16<BITS, G, MT, TILES>(w, ctx, t, m0);
-  for (; t < t1; ++t) tile_x16<BITS, G, MT, 1>(w, ctx, t, m0);
+  for (; t + TILES <= t1; t += TILES) tile_x16<BITS, G, MT, TILES>(w, ctx, L, t, m0);
+  for (; t < t1; ++t) tile_x16<BITS, G, MT, 1>(w, ctx, L, t, m0);
 }
 
 template <int BITS, int G>
 void gemm_rows_x16(const Ctx& ctx, const uint8_t* w, int64_t M) {
+  const X16::Layout L(ctx.K, ctx.f);
   at::parallel_for(0, ctx.N / X16::ROWS, 1, [&](int64_t t0, int64_t t1) {
-    for_each_pass(M, [&](auto mt, int64_t m0) { tiles_range_x16<BITS, G, decltype(mt)::value>(w, ctx, m0, t0, t1); });
+    for_each_pass(M, [&](auto mt, int64_t m0) { tiles_range_x16<BITS, G, decltype(mt)::value>(w, ctx, L, m0, t0, t1); });
   });
 }
 
 // Row n of an interleaved weight as bfloat16 (scale * u + offset, rounded once) into dst [K].
-void dequantize_row_x16(const uint8_t* w, int64_t K, const Format& f, int64_t n, uint16_t* dst) {
-  const uint8_t* tile = X16::tile(w, K, f, n / X16::ROWS);
-  const int unit_bits = f.bits == 8 ? 8 : 4;  // fewer bits: the low nibble in the units, bits 4 and 5 in the masks
+void dequantize_row_x16(const uint8_t* w, const X16::Layout& L, int64_t n, uint16_t* dst) {
+  const int64_t K = L.K;
+  const uint8_t* tile = L.tile(w, n / X16::ROWS);
+  const int unit_bits = L.bits == 8 ? 8 : 4;  // fewer bits: the low nibble in the units, bits 4 and 5 after them
   const int64_t l = n % X16::ROWS, per = 32 / unit_bits;  // inputs of a unit per row: 8 or 4
   alignas(64) float scales[16], offsets[16];
   for (int64_t i = 0; i < K; ++i) {
-    const int64_t j = i / per, q = i % per / 2, e = i % 2, g = i / f.group;  // q: the nibble (4 bits) or byte (8)
-    if (i % f.group == 0) {
+    const int64_t j = i / per, q = i % per / 2, e = i % 2, g = i / L.group;  // q: the nibble (4 bits) or byte (8)
+    if (i % L.group == 0) {
       __m512 s, o;
-      X16::group_scales(tile, K, f, g, s, o);
+      X16::group_scales(tile, L, g, s, o);
       _mm512_store_ps(scales, s);
       _mm512_store_ps(offsets, o);
     }
     uint16_t word;
     std::memcpy(&word, tile + 64 * j + 2 * (2 * l + e), 2);
     uint32_t code = (word >> (unit_bits * q)) & ((1u << unit_bits) - 1);
-    if (f.bits == 5) {
+    if (L.bits == 5) {
       uint32_t mask;
-      std::memcpy(&mask, X16::high_bits(tile, K, 5, j) + 4 * q, 4);
+      std::memcpy(&mask, L.high_bits(tile, j) + 4 * q, 4);
       code |= ((mask >> (2 * l + e)) & 1u) << 4;
-    } else if (f.bits == 6) {
-      code |= ((X16::high_bits(tile, K, 6, j)[2 * l + e] >> (2 * q)) & 3u) << 4;
+    } else if (L.bits == 6) {
+      code |= ((L.high_bits(tile, j)[2 * l + e] >> (2 * q)) & 3u) << 4;
     }
     dst[i] = f_to_bf16(std::fma(float(code), scales[l], offsets[l]));
   }
@@ -1009,7 +1011,8 @@ void dequantize_b_tiles(const uint8_t* w, int64_t stride, int64_t K, const Forma
 // its odd one in the high word's), so it becomes one B-tile row with no transpose: both inputs
 // times the rows' group scale plus offset in fp32, rounded once.
 template <int BITS, int G>
-void dequantize_b_tiles_x16(const uint8_t* tile, int64_t K, const Format& f, uint32_t* dst, int64_t tiles_apart) {
+void dequantize_b_tiles_x16(const uint8_t* tile, const X16::Layout& L, uint32_t* dst, int64_t tiles_apart) {
+  const int64_t K = L.K;
   constexpr int UNIT_BITS = BITS == 8 ? 8 : 4;  // 5 and 6 bits: bits 4 and 5 from the masks
   constexpr int UNITS = G * UNIT_BITS / 32, PAIRS = 16 / UNIT_BITS;  // per group; pairs per unit: 4 or 2
   alignas(64) static const uint16_t pairs_of[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
@@ -1019,14 +1022,14 @@ void dequantize_b_tiles_x16(const uint8_t* tile, int64_t K, const Format& f, uin
   const __m512i low_word = _mm512_set1_epi32(0xffff), nibble = _mm512_set1_epi16(0x000f);
   for (int64_t g = 0; g < K / G; ++g) {
     __m512 s, o;
-    X16::group_scales(tile, K, f, g, s, o);
+    X16::group_scales(tile, L, g, s, o);
     for (int u = 0; u < UNITS; ++u) {
       const int64_t j = UNITS * g + u;
       const __m512i v = _mm512_loadu_si512(tile + 64 * j);
       __m512i u16[4];  // 5 and 6 bits: each word's codes as integers, nibble position q's in u16[q]
       if constexpr (BITS == 5 || BITS == 6) {
         for (int q = 0; q < 4; ++q) u16[q] = _mm512_and_si512(_mm512_srli_epi16(v, 4 * q), nibble);
-        X16::add_high_bits<BITS>(tile, K, j, u16);
+        X16::add_high_bits<BITS>(tile, L, j, u16);
       }
       for (int q = 0; q < PAIRS; ++q) {  // pair p = PAIRS j + q: its even input at bits UNIT_BITS q, its odd at 16 + UNIT_BITS q
         __m512i even_codes, odd_codes;
@@ -1055,7 +1058,8 @@ void dequantize_panel(const Ctx& ctx, const uint8_t* w, int64_t n0, uint32_t* pa
   const int64_t K = ctx.K, stride = ctx.f.row_bytes(K);
   for (int half = 0; half < 2; ++half) {
     if (ctx.f.interleaved) {
-      dequantize_b_tiles_x16<BITS, G>(X16::tile(w, K, ctx.f, n0 / 16 + half), K, ctx.f, panel + 256 * half, 2);
+      const X16::Layout L(K, ctx.f);
+      dequantize_b_tiles_x16<BITS, G>(L.tile(w, n0 / 16 + half), L, panel + 256 * half, 2);
     } else {
       dequantize_b_tiles<BITS, G>(w + (n0 + 16 * half) * stride, stride, K, ctx.f, panel + 256 * half, 2, scratch);
     }
@@ -1333,7 +1337,8 @@ at::Tensor dequantize_rows(const at::Tensor& packed, const at::Tensor& ids_in, i
   const int64_t stride = f.row_bytes(K);
   if (f.interleaved) {
     at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) dequantize_row_x16(w, K, f, id[t], o + t * K);
+      const X16::Layout L(K, f);
+      for (int64_t t = t0; t < t1; ++t) dequantize_row_x16(w, L, id[t], o + t * K);
     });
     return out;
   }

@@ -58,8 +58,8 @@ class GGUFOptions(BaseModel):
         "2-core EPYC, since its reads prefetch the next tiles: Q4_1 1 / 2 / 5 / 8 rows 18% / 34% / 34% / 37% faster "
         "than the row layout, Q8_0 18% / 23% / 25% / 30%, Q8_0 panels at 16-128 rows 4-17% faster; at 128-512 rows "
         "Q4_1's panels were 3-6% slower; Q5_0 1 / 2 / 3 / 5 / 8 rows 20% / 29% / 36% / 30% / 34% faster, its panels at "
-        "16 / 64 / 128 / 512 rows 16% / 7% / 8% / 0.5%; K-quants at 768-2048 inputs, 1 / 2 / 3 rows (7 rounds): Q4_K 16% / "
-        "12% / 18%, Q6_K 16% / 11% / 22%, Q3_K 8% / 10% / 15% faster, and 5-8 rows 4-25%, panels 1-22%). The int8 paths "
+        "16 / 64 / 128 / 512 rows 16% / 7% / 8% / 0.5%; K-quants at 768-2048 inputs, 1 / 2 / 3 rows: Q4_K 19% / "
+        "28% / 42%, Q6_K 22% / 30% / 39% faster, and 5-8 rows 4-25%, panels 1-22%). The int8 paths "
         "(int8_activations, int8_panels) read the row layout, so either of them turns this off",
     )
 
