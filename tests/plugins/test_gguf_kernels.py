@@ -43,16 +43,17 @@ def _tail_k(kind: str) -> int:
 @pytest.mark.parametrize("tail", [False, True], ids=["k512", "k_tail"])
 def test_products_match_float64_with_gguf_weights(kind, tail):
     exact, scales = _weight(kind, k=_tail_k(kind) if tail else 512)
-    w = quantize_gguf(exact.bfloat16(), scales, GGUFOptions(amx_min_rows=0, panel_min_rows=0, int8_activations=False))
-    assert w.packed is not None
+    # the row layout (interleave_types empty; by default every type is interleaved), few rows and panels
+    w = quantize_gguf(exact.bfloat16(), scales, GGUFOptions(amx_min_rows=0, panel_min_rows=0, int8_activations=False,
+                                                            interleave_types=()))
+    assert w.packed is not None and w.interleave == 1
     int8 = quantize_gguf(exact.bfloat16(), scales, GGUFOptions(amx_min_rows=0, panel_min_rows=0, int8_activations=True))
-    many = quantize_gguf(exact.bfloat16(), scales, GGUFOptions(amx_min_rows=1, panel_min_rows=1))
+    many = quantize_gguf(exact.bfloat16(), scales, GGUFOptions(amx_min_rows=1, panel_min_rows=1, interleave_types=()))
     many8 = quantize_gguf(exact.bfloat16(), scales, GGUFOptions(amx_min_rows=1, panel_min_rows=1, int8_panels=True))
-    # every type that can take the interleaved layout in it (by default only Q4_0 and Q4_1 do), few rows and panels
-    interleaved = [quantize_gguf(exact.bfloat16(), scales, GGUFOptions(amx_min_rows=a, panel_min_rows=a,
-                                                                       interleave_types=gguf_kernels.INTERLEAVABLE_TYPES))
+    # the interleaved layout (the default), few rows and panels
+    interleaved = [quantize_gguf(exact.bfloat16(), scales, GGUFOptions(amx_min_rows=a, panel_min_rows=a))
                    for a in (0, 1)]
-    assert all(x.interleave == (16 if kind in gguf_kernels.INTERLEAVABLE_TYPES else 1) for x in interleaved)
+    assert all(x.interleave == 16 for x in interleaved)
     gen = torch.Generator().manual_seed(1)
     for m in (1, 2, 3, 4, 5, 7, 9, 14, 33):  # the panels' row tails 1-7 and whole blocks of 8
         x = torch.randn(m, exact.shape[1], generator=gen).bfloat16()
@@ -82,9 +83,9 @@ def test_few_rows_give_an_x_row_the_same_bits_in_any_batch(kind, tail):
     weight rows' tile: a decode step (1 row) and a speculative verification (k + 1 rows) give one
     token the same logits, so greedy outputs do not depend on the batch. (512 inputs: 4- and 8-bit
     codes in the codes' word order, tile_words; 576: 4-bit codes per chunk, tile.)"""
-    # 37 rows: tiles of 4 weight rows and a tail (the row layout); 144: Q4_0/Q4_1/Q8_0 in the interleaved
-    # layout, 9 tiles of 16 (one x row takes four tiles at a time, 2-3 x rows two: with one or two
-    # threads every group size and a tail)
+    # 37 rows: tiles of 4 weight rows and a tail (the row layout); 144: the interleaved layout (every
+    # type, without int8), 9 tiles of 16 (one x row takes four tiles at a time, 2-3 x rows two: with
+    # one or two threads every group size and a tail)
     for n in (37, 144):
         exact, scales = _weight(kind, n=n, k=_tail_k(kind) if tail else 512, seed=4)
         for int8 in (False, True):
