@@ -9,7 +9,7 @@ with the GGUF kernel's paths (K-quants on shapes widened to 768 inputs: 576 is n
 their 256-input super-blocks): ``rows``, vdpbf16ps on exact codes; ``rows-i8``, the few-rows path
 with int8 activations (vpdpbusd); ``many``, dequantized bf16 panels on AMX tiles, or without AMX in
 register blocks of vdpbf16ps; ``many-i8``, the panels with ``int8_panels`` (int8 codes and
-activations, vpdpbusd; on AMX CPUs the same as ``many``); for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 also ``rows-x16`` and
+activations, vpdpbusd; on AMX CPUs the same as ``many``); for every type also ``rows-x16`` and
 ``many-x16``, the same two paths on the interleaved layout (16 weight rows side by side). The row count from which ``many`` wins is
 what ``amx_min_rows``, or ``panel_min_rows`` without AMX, should be.
 
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
             "many-i8": lambda x, i: kernels.gemm(x, *weights["gguf"][i][:1], *weights["gguf"][i][1], 1, False, True, 1),
             "dense": lambda x, i: torch.ops.mkldnn._linear_pointwise(x, weights["dense"][i], None, "none", [], ""),
         }
-        if "x16" in weights:  # the interleaved layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): few rows, and the panels read from it
+        if "x16" in weights:  # the interleaved layout (every type): few rows, and the panels read from it
             candidates["rows-x16"] = lambda x, i: kernels.gemm(x, weights["x16"][i][0], *weights["x16"][i][1], 0, False,
                                                                False, gguf_kernels.X16_ROWS)
             candidates["many-x16"] = lambda x, i: kernels.gemm(x, weights["x16"][i][0], *weights["x16"][i][1], 1, False,

@@ -70,7 +70,8 @@ def llamacpp_batched(tools: Path, gguf: str, args) -> dict[int, float]:
 # --- paged phases (own process each) ---------------------------------------------------------
 def parse_variant(variant: str) -> tuple[str, str, dict[str, str]]:
     """``DTYPE:QUANTIZATION[:KEY=VALUE+KEY=VALUE...]`` (options of the quantization method; in a
-    value, ``/`` stands for the comma that separates variants: a list's items)."""
+    value, ``/`` stands for the comma that separates variants: a list's items; so no value can hold
+    a ``/`` of its own, which none of the bundled methods' options needs)."""
     dtype, quantization, *rest = variant.split(":", 2)
     options = {k: v.replace("/", ",") for k, v in (kv.split("=", 1) for kv in rest[0].split("+"))} if rest else {}
     return dtype, quantization, options

@@ -14,7 +14,7 @@ and only the 1536-input ``ffn_down`` weights get K-quant blocks; the file lists 
 ``--width H`` writes instead a model whose rows are multiples of 256, as those of most models
 above 1B parameters (so that a Q4_K_M file is mostly Q4_K, with Q6_K): the default model's
 vocabulary, tokenizer, head size (64) and metadata, widened to hidden size H (a multiple of 256;
-H / 64 heads, H / 256 KV heads, FFN 2.75 H), ``--layers`` of them, random normal weights (std
+H / 64 heads, H / 256 KV heads, FFN 2.75 H rounded up to a multiple of 256), ``--layers`` of them, random normal weights (std
 0.02; norms 1). Its text is noise; its speed is that of such a file (``benchmarks/llamacpp.py
 --gguf FILE``, with ``ignore_eos``).
 """
@@ -72,7 +72,8 @@ def write_f16_random(source: Path, target: Path, width: int, layers: int, seed: 
     old = {n: int(reader.fields[f"{arch}.{n}"].contents())
            for n in ("embedding_length", "feed_forward_length", "attention.head_count", "attention.head_count_kv")}
     head = old["embedding_length"] // old["attention.head_count"]
-    new = {"embedding_length": width, "feed_forward_length": 11 * width // 4, "attention.head_count": width // head,
+    ffn = (11 * width // 4 + 255) // 256 * 256
+    new = {"embedding_length": width, "feed_forward_length": ffn, "attention.head_count": width // head,
            "attention.head_count_kv": width // 256, "block_count": layers}
     # each dimension of the source's weights, by its size, and what it becomes
     dims = {old["embedding_length"]: width, old["feed_forward_length"]: new["feed_forward_length"],

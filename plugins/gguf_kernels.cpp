@@ -780,8 +780,9 @@ inline void add_high_bits(const uint8_t* tile, const Layout& L, int64_t j, __m51
 }  // namespace X16
 
 // TILES weight tiles from tile t0 (outputs 16 t0 ..) for MT x rows from m0. Per group: per unit,
-// its four nibble positions as bf16 numbers (4 bits: 128 + u, 5 and 6 bits plus 16 and 32 where
-// the masks say; 8 bits: the low nibble 128 + lo, the high one 2048 + 16 hi, as tile()), positions
+// its four nibble positions as bf16 numbers (4 bits: 128 + u; 5 bits plus 16 where the masks say,
+// 6 bits bits 4 and 5 OR'd in from the unit's bytes; 8 bits: the low nibble 128 + lo, the high one
+// 2048 + 16 hi, as tile()), positions
 // 0 and 2 into one fp32 chain, 1 and 3 into another, each times x's broadcast pair; then (chains
 // summed) times the rows' scales, plus (offset - 128 scale; 8 bits: - 2176 scale) times x's group
 // sum. The same order of sums for every TILES and MT: an x row gets the same bits in any batch.
@@ -1056,9 +1057,9 @@ void dequantize_b_tiles_x16(const uint8_t* tile, const X16::Layout& L, uint32_t*
 template <int BITS, int G>
 void dequantize_panel(const Ctx& ctx, const uint8_t* w, int64_t n0, uint32_t* panel, float* scratch) {
   const int64_t K = ctx.K, stride = ctx.f.row_bytes(K);
+  const X16::Layout L(K, ctx.f);  // (once per panel: its divisions cost nothing beside 32 rows' dequantization)
   for (int half = 0; half < 2; ++half) {
     if (ctx.f.interleaved) {
-      const X16::Layout L(K, ctx.f);
       dequantize_b_tiles_x16<BITS, G>(L.tile(w, n0 / 16 + half), L, panel + 256 * half, 2);
     } else {
       dequantize_b_tiles<BITS, G>(w + (n0 + 16 * half) * stride, stride, K, ctx.f, panel + 256 * half, 2, scratch);

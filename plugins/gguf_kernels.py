@@ -41,8 +41,9 @@ x's exact sums.
 
 Interleaved layout (``pack(..., interleave=True)``, the kernels' ``interleave = 16``; for every type's
 weights whose rows are a multiple of 16, what the ``gguf`` method packs for its ``interleave_types``,
-by default all of them; 5 and 6 bits: the units hold the low nibbles and a mask per nibble position
-and bit plane adds each word's bits 4 and 5, one masked add each; the K-quants keep their two-level
+by default all of them; 5 and 6 bits: the units hold the low nibbles, and after them 5 bits keep a
+mask per nibble position (bit 4 added with one masked add), 6 bits a byte per word (bits 4 and 5
+put in place with a shift and a ternary-logic op per nibble position); the K-quants keep their two-level
 scales, the 16 rows' int8 ``a``, ``o`` per group and float16 ``d``, ``dm`` per super-block, and the
 kernel forms the 16 rows' ``d * a`` and ``dm * o`` per group as the row layout does):
 16 weight rows side by side (``pack_x16`` has the bytes). A unit of 64 code bytes is read as 32

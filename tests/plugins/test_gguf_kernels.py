@@ -214,7 +214,7 @@ def test_int8_panels_compute_int8_activations_times_the_exact_codes(kind, tail):
 @pytest.mark.parametrize("kind", KINDS)
 def test_embedding_rows_are_the_exact_weights_rounded_to_bfloat16(kind):
     exact, scales = _weight(kind, seed=2)
-    for types in ((), gguf_kernels.INTERLEAVABLE_TYPES):  # the row layout, and the interleaved where the type has it
+    for types in ((), gguf_kernels.INTERLEAVABLE_TYPES):  # the row layout, and the interleaved (every type)
         w = quantize_gguf(exact.bfloat16(), scales, GGUFOptions(interleave_types=types))
         ids = torch.tensor([[0, 95], [7, 7]])
         assert torch.equal(w.embedding(ids), exact[ids].bfloat16()), types
