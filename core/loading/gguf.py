@@ -14,7 +14,10 @@ to the weights.
 Cache: ``$PAGED_CACHE_DIR`` or ``$XDG_CACHE_HOME/paged`` or ``~/.cache/paged``, under
 ``gguf/<name>-<size>-<mtime>-c<converter version>``. A conversion writes into a temporary
 directory beside the target and renames it into place, under a file lock: two processes that
-start at once convert once, and a reader never sees a half-written directory.
+start at once convert once, and a reader never sees a half-written directory. Each new conversion
+then removes those whose GGUF is gone or changed since (``evict_stale_conversions``): each holds
+the model in float32 (the default model's: 0.9 GB), and a reinstalled package or a new venv gives
+its file a new mtime, so they would pile up.
 """
 
 from __future__ import annotations
@@ -143,20 +146,58 @@ def converted_model_dir(gguf_path: str | Path) -> Path:
         if (target / _MARKER).is_file():  # another process converted it while we waited
             return target
         convert_gguf(gguf_path, target)
+    evict_stale_conversions(target.parent, keep=target)
     return target
 
 
+def evict_stale_conversions(root: Path, keep: Path | None = None) -> list[Path]:
+    """Remove the finished conversions under ``root`` whose recorded GGUF (``source``) no longer
+    holds a file of the recorded size and mtime: only a copy with that size and mtime could ask
+    for them again (and would be converted again). Entries another process holds the lock of, or
+    without a readable record, are left. Returns the removed directories."""
+    removed = []
+    for entry in sorted(root.iterdir()) if root.is_dir() else []:
+        record = entry / _MARKER
+        if entry == keep or not record.is_file():
+            continue
+        try:
+            info = json.loads(record.read_text())
+            st = Path(info["source"]).stat()
+            if (st.st_size, st.st_mtime_ns) == (info["size"], info["mtime_ns"]):
+                continue
+        except FileNotFoundError:
+            pass  # the GGUF is gone
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        lock = entry.with_name(entry.name + ".lock")
+        with _file_lock(lock, wait=False) as held:
+            if not held:
+                continue  # being converted or checked by another process
+            shutil.rmtree(entry, ignore_errors=True)
+            lock.unlink(missing_ok=True)
+        if not entry.exists():
+            removed.append(entry)
+            logger.info("removed the cached conversion %s: its GGUF %s is gone or changed", entry, info.get("source"))
+    return removed
+
+
 @contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
+def _file_lock(path: Path, wait: bool = True) -> Iterator[bool]:
+    """Hold the lock file ``path``; yields whether it is held (``wait=False``: False at once when
+    another process holds it)."""
     try:
         import fcntl
     except ImportError:  # not POSIX: the atomic rename alone keeps the cache consistent
-        yield
+        yield True
         return
     with open(path, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
         try:
-            yield
+            fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
 

@@ -8,6 +8,8 @@ only if the q/k de-permutation and the tensor renaming are right.
 
 from __future__ import annotations
 
+import os
+
 import time
 
 import numpy as np
@@ -245,6 +247,35 @@ def test_concurrent_conversions_convert_once(tmp_path, monkeypatch):
     # converting straight into a finished directory keeps it (the loser of a race without a lock)
     real(path, results[0])
     assert sorted(p.name for p in results[0].parent.iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_new_conversion_removes_those_whose_gguf_is_gone_or_changed(tmp_path, monkeypatch):
+    """Each conversion holds the model in float32; one whose GGUF was deleted, or rewritten (a new
+    mtime: a reinstalled package, a new venv), can never be asked for again, and the next
+    conversion removes it. One whose GGUF is still there as it was stays, and so does one whose
+    lock another process holds."""
+    monkeypatch.setenv("PAGED_CACHE_DIR", str(tmp_path / "cache"))
+    hf = _tiny_hf("qwen2")
+    paths = {name: tmp_path / f"{name}.gguf" for name in ("gone", "kept", "changed", "locked", "new")}
+    for path in paths.values():
+        write_tiny_gguf(path, hf, "qwen2")
+    dirs = {name: paged_gguf.converted_model_dir(path) for name, path in paths.items() if name != "new"}
+    assert len(set(dirs.values())) == 4 and all(d.is_dir() for d in dirs.values())
+    paths["gone"].unlink()
+    for name in ("changed", "locked"):
+        st = paths[name].stat()
+        os.utime(paths[name], ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    import fcntl
+
+    with open(dirs["locked"].with_name(dirs["locked"].name + ".lock"), "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as a process converting or checking it would
+        new = paged_gguf.converted_model_dir(paths["new"])
+    assert new.is_dir() and dirs["kept"].is_dir() and dirs["locked"].is_dir()
+    assert not dirs["gone"].exists() and not dirs["changed"].exists()
+    assert not dirs["gone"].with_name(dirs["gone"].name + ".lock").exists()
+    # the changed file's new conversion, and the locked one's turn once free
+    assert paged_gguf.converted_model_dir(paths["changed"]) != dirs["changed"]
+    assert not dirs["locked"].exists()
 
 
 # ---- slow: the real file -----------------------------------------------------------------------
