@@ -34,13 +34,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from llamacpp import DEFAULT_DIR  # noqa: E402
 
 
-def write_f16(source: Path, target: Path) -> None:
+def _f16_writer(reader, target: Path, changed: dict[str, object] | None = None):
+    """A GGUF writer at ``target`` with ``reader``'s metadata as an F16 file's (``changed``: values
+    by key without the architecture's prefix, e.g. ``embedding_length``)."""
     import gguf
-    from gguf.quants import dequantize
 
-    reader = gguf.GGUFReader(str(source))
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(str(target), arch)
+    changed = changed or {}
     for field in reader.fields.values():
         if field.name == "general.architecture" or field.name.startswith("GGUF."):
             continue
@@ -49,7 +50,17 @@ def write_f16(source: Path, target: Path) -> None:
             continue
         kind = field.types[0]
         sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+        writer.add_key_value(field.name, changed.get(field.name.removeprefix(f"{arch}."), field.contents()), kind,
+                             sub_type=sub)
+    return writer
+
+
+def write_f16(source: Path, target: Path) -> None:
+    import gguf
+    from gguf.quants import dequantize
+
+    reader = gguf.GGUFReader(str(source))
+    writer = _f16_writer(reader, target)
     for t in reader.tensors:
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))
         w = np.asarray(dequantize(t.data.view(np.ndarray), t.tensor_type), dtype=np.float32).reshape(shape)
@@ -78,17 +89,7 @@ def write_f16_random(source: Path, target: Path, width: int, layers: int, seed: 
     # each dimension of the source's weights, by its size, and what it becomes
     dims = {old["embedding_length"]: width, old["feed_forward_length"]: new["feed_forward_length"],
             head * old["attention.head_count_kv"]: head * new["attention.head_count_kv"]}
-    writer = gguf.GGUFWriter(str(target), arch)
-    for field in reader.fields.values():
-        if field.name == "general.architecture" or field.name.startswith("GGUF."):
-            continue
-        if field.name == "general.file_type":
-            writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-            continue
-        key = field.name.removeprefix(f"{arch}.")
-        kind = field.types[0]
-        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, new.get(key, field.contents()), kind, sub_type=sub)
+    writer = _f16_writer(reader, target, new)
     rng = np.random.default_rng(seed)
     for t in reader.tensors:
         if t.name.startswith("blk.") and int(t.name.split(".")[1]) >= layers:
