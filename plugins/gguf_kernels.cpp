@@ -1014,7 +1014,7 @@ void dequantize_b_tiles(const uint8_t* w, int64_t stride, int64_t K, const Forma
 template <int BITS, int G>
 void dequantize_b_tiles_x16(const uint8_t* tile, const X16::Layout& L, uint32_t* dst, int64_t tiles_apart) {
   const int64_t K = L.K;
-  constexpr int UNIT_BITS = BITS == 8 ? 8 : 4;  // 5 and 6 bits: bits 4 and 5 from the masks
+  constexpr int UNIT_BITS = BITS == 8 ? 8 : 4;  // 5 and 6 bits: bits 4 and 5 after the units (add_high_bits)
   constexpr int UNITS = G * UNIT_BITS / 32, PAIRS = 16 / UNIT_BITS;  // per group; pairs per unit: 4 or 2
   alignas(64) static const uint16_t pairs_of[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
@@ -1337,8 +1337,8 @@ at::Tensor dequantize_rows(const at::Tensor& packed, const at::Tensor& ids_in, i
   uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t stride = f.row_bytes(K);
   if (f.interleaved) {
+    const X16::Layout L(K, f);
     at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-      const X16::Layout L(K, f);
       for (int64_t t = t0; t < t1; ++t) dequantize_row_x16(w, L, id[t], o + t * K);
     });
     return out;
