@@ -786,6 +786,7 @@ inline void add_high_bits(const uint8_t* tile, const Layout& L, int64_t j, __m51
 // 0 and 2 into one fp32 chain, 1 and 3 into another, each times x's broadcast pair; then (chains
 // summed) times the rows' scales, plus (offset - 128 scale; 8 bits: - 2176 scale) times x's group
 // sum. The same order of sums for every TILES and MT: an x row gets the same bits in any batch.
+// A unit is decoded for all TILES tiles before the x rows' pairs are broadcast, each once for them.
 // Each unit and scale read also prefetches (into L2) the same bytes of the tile TILES further on,
 // the next call's: a stream as long as the reads, where prefetch_until ahead of each call (one
 // burst of up to 4 tiles, 23 KB at K = 576) left most of the tiles to come from memory on demand:
@@ -802,9 +803,8 @@ void tile_x16(const uint8_t* w, const Ctx& ctx, const X16::Layout& L, int64_t t0
   const __m512i nibble = _mm512_set1_epi16(0x000f);
   const __m512i bias = _mm512_set1_epi16(0x4300);                          // bf16 128.0: | u makes 128 + u
   const __m512i bias_hi = _mm512_set1_epi16(BITS == 8 ? 0x4500 : 0x4300);  // 8 bits: 2048 + 16 hi
-  __m512 res[TILES][MT];
-  for (int tt = 0; tt < TILES; ++tt)
-    for (int m = 0; m < MT; ++m) res[tt][m] = _mm512_setzero_ps();
+  // the outputs' sums, in memory: updated once per group, they leave the registers to the chains
+  alignas(64) float res[TILES][MT][16] = {};
   const int64_t second_field = L.two_level ? L.o_apart : L.dm_apart;  // o or dm, from a or d
   const uint8_t* tiles[TILES];  // this call's tiles
   const uint8_t* ahead[TILES];  // the tiles TILES further on (nullptr past the weight's last)
@@ -818,6 +818,7 @@ void tile_x16(const uint8_t* w, const Ctx& ctx, const X16::Layout& L, int64_t t0
       for (int m = 0; m < MT; ++m) acc0[tt][m] = acc1[tt][m] = _mm512_setzero_ps();
     for (int u = 0; u < UNITS; ++u) {
       const int64_t j = UNITS * g + u;
+      __m512i n[TILES][4];  // the unit's four nibble positions as bf16 numbers, per tile
       for (int tt = 0; tt < TILES; ++tt) {
         const uint8_t* tile = tiles[tt];
         if (ahead[tt] != nullptr) {
@@ -827,21 +828,38 @@ void tile_x16(const uint8_t* w, const Ctx& ctx, const X16::Layout& L, int64_t t0
         }
         const __m512i v = _mm512_loadu_si512(tile + 64 * j);
         // the unit's nibbles at bits 0, 4, 8 and 12 of each word, as bf16 numbers
-        __m512i n[4] = {_mm512_ternarylogic_epi32(v, nibble, bias, AND_OR),
-                        _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nibble, bias_hi, AND_OR),
-                        _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 8), nibble, bias, AND_OR),
-                        _mm512_or_si512(_mm512_srli_epi16(v, 12), bias_hi)};
-        X16::add_high_bits<BITS>(tile, L, j, n);
-        for (int m = 0; m < MT; ++m) {
-          // x's input pair p of the unit (inputs INPUTS j + 2p, + 1), broadcast from memory (through
-          // an integer register it cost a shift and a GPR-to-vector move each): 4 bits, nibble
-          // position q takes pair q; 8 bits, positions 0 and 1 pair 0, 2 and 3 pair 1
-          const float* x2 = reinterpret_cast<const float*>(xb + m * K + INPUTS * j);
-          auto pair = [&](int p) { return (__m512bh)_mm512_broadcastss_ps(_mm_load_ss(x2 + p)); };
-          acc0[tt][m] = _mm512_dpbf16_ps(acc0[tt][m], (__m512bh)n[0], pair(0));
-          acc1[tt][m] = _mm512_dpbf16_ps(acc1[tt][m], (__m512bh)n[1], pair(BITS == 8 ? 0 : 1));
-          acc0[tt][m] = _mm512_dpbf16_ps(acc0[tt][m], (__m512bh)n[2], pair(BITS == 8 ? 1 : 2));
-          acc1[tt][m] = _mm512_dpbf16_ps(acc1[tt][m], (__m512bh)n[3], pair(BITS == 8 ? 1 : 3));
+        n[tt][0] = _mm512_ternarylogic_epi32(v, nibble, bias, AND_OR);
+        n[tt][1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nibble, bias_hi, AND_OR);
+        n[tt][2] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 8), nibble, bias, AND_OR);
+        n[tt][3] = _mm512_or_si512(_mm512_srli_epi16(v, 12), bias_hi);
+        X16::add_high_bits<BITS>(tile, L, j, n[tt]);
+      }
+      for (int m = 0; m < MT; ++m) {
+        // x's input pair p of the unit (inputs INPUTS j + 2p, + 1), broadcast from memory once for
+        // all the tiles (a broadcast per vdpbf16ps held a 5-row verification to ~60% of the
+        // vdpbf16ps rate; through an integer register it cost a shift and a GPR-to-vector move
+        // each): 4 bits, nibble position q takes pair q; 8 bits, positions 0 and 1 pair 0, 2 and 3
+        // pair 1
+        const float* x2 = reinterpret_cast<const float*>(xb + m * K + INPUTS * j);
+        auto pair = [&](int p) { return (__m512bh)_mm512_broadcastss_ps(_mm_load_ss(x2 + p)); };
+        if constexpr (BITS == 8) {
+          const __m512bh p0 = pair(0), p1 = pair(1);
+          for (int tt = 0; tt < TILES; ++tt) {
+            acc0[tt][m] = _mm512_dpbf16_ps(acc0[tt][m], (__m512bh)n[tt][0], p0);
+            acc1[tt][m] = _mm512_dpbf16_ps(acc1[tt][m], (__m512bh)n[tt][1], p0);
+          }
+          for (int tt = 0; tt < TILES; ++tt) {
+            acc0[tt][m] = _mm512_dpbf16_ps(acc0[tt][m], (__m512bh)n[tt][2], p1);
+            acc1[tt][m] = _mm512_dpbf16_ps(acc1[tt][m], (__m512bh)n[tt][3], p1);
+          }
+        } else {
+          for (int q = 0; q < 4; ++q) {
+            const __m512bh p = pair(q);
+            for (int tt = 0; tt < TILES; ++tt) {
+              if (q % 2 == 0) acc0[tt][m] = _mm512_dpbf16_ps(acc0[tt][m], (__m512bh)n[tt][q], p);
+              else acc1[tt][m] = _mm512_dpbf16_ps(acc1[tt][m], (__m512bh)n[tt][q], p);
+            }
+          }
         }
       }
     }
@@ -860,27 +878,32 @@ void tile_x16(const uint8_t* w, const Ctx& ctx, const X16::Layout& L, int64_t t0
       X16::group_scales(tiles[tt], L, g, scale, offset);
       const __m512 lifted = _mm512_fmadd_ps(scale, _mm512_set1_ps(BITS == 8 ? -2176.f : -128.f), offset);
       for (int m = 0; m < MT; ++m) {
-        res[tt][m] = _mm512_fmadd_ps(_mm512_add_ps(acc0[tt][m], acc1[tt][m]), scale, res[tt][m]);
-        res[tt][m] = _mm512_fmadd_ps(lifted, _mm512_set1_ps(xs[m * groups + g]), res[tt][m]);
+        __m512 r = _mm512_fmadd_ps(_mm512_add_ps(acc0[tt][m], acc1[tt][m]), scale, _mm512_load_ps(res[tt][m]));
+        _mm512_store_ps(res[tt][m], _mm512_fmadd_ps(lifted, _mm512_set1_ps(xs[m * groups + g]), r));
       }
     }
   }
   for (int tt = 0; tt < TILES; ++tt)
     for (int m = 0; m < MT; ++m)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(ctx.out + (m0 + m) * ctx.N + X16::ROWS * (t0 + tt)),
-                          (__m256i)_mm512_cvtneps_pbh(res[tt][m]));
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(res[tt][m])));
 }
 
 // Tiles t0 .. t1 - 1 for MT x rows from m0, several tiles at a time for few x rows (one x row:
-// four tiles, eight vdpbf16ps chains in flight); the first call's tiles prefetched here, each
+// four tiles, eight vdpbf16ps chains in flight; 2-5 x rows two, so that each broadcast of x feeds
+// two vdpbf16ps: 4 and 5 rows 13-19% faster than one tile at a time, Q8_0 4-7%, 2 and 3 rows, bound
+// by the memory, level, benchmarks/gguf_gemm.py's shapes on the 2-core EPYC; 6-8 rows one, as two
+// tiles' chains would not fit the 32 registers); the first call's tiles prefetched here, each
 // call's reads prefetch the next call's (tile_x16).
 template <int BITS, int G, int MT>
 void tiles_range_x16(const uint8_t* w, const Ctx& ctx, const X16::Layout& L, int64_t m0, int64_t t0, int64_t t1) {
-  constexpr int TILES = MT == 1 ? 4 : MT <= 3 ? 2 : 1;
+  constexpr int TILES = MT == 1 ? 4 : MT <= 5 ? 2 : 1;
   int64_t next = t0 * L.tile_bytes;
   prefetch_until(w, next, std::min(t1, t0 + TILES) * L.tile_bytes);
   int64_t t = t0;
   for (; t + TILES <= t1; t += TILES) tile_x16<BITS, G, MT, TILES>(w, ctx, L, t, m0);
+  if constexpr (TILES > 2)
+    for (; t + 2 <= t1; t += 2) tile_x16<BITS, G, MT, 2>(w, ctx, L, t, m0);
   for (; t < t1; ++t) tile_x16<BITS, G, MT, 1>(w, ctx, L, t, m0);
 }
 

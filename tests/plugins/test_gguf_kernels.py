@@ -84,8 +84,8 @@ def test_few_rows_give_an_x_row_the_same_bits_in_any_batch(kind, tail):
     token the same logits, so greedy outputs do not depend on the batch. (512 inputs: 4- and 8-bit
     codes in the codes' word order, tile_words; 576: 4-bit codes per chunk, tile.)"""
     # 37 rows: tiles of 4 weight rows and a tail (the row layout); 144: the interleaved layout (every
-    # type, without int8), 9 tiles of 16 (one x row takes four tiles at a time, 2-3 x rows two: with
-    # one or two threads every group size and a tail)
+    # type, without int8), 9 tiles of 16 (one x row takes four tiles at a time, 2-5 x rows two, 6-8
+    # one: with one or two threads every group size and a tail)
     for n in (37, 144):
         exact, scales = _weight(kind, n=n, k=_tail_k(kind) if tail else 512, seed=4)
         for int8 in (False, True):
@@ -93,7 +93,7 @@ def test_few_rows_give_an_x_row_the_same_bits_in_any_batch(kind, tail):
                                                                     interleave_types=gguf_kernels.INTERLEAVABLE_TYPES))
             x = torch.randn(11, exact.shape[1], generator=torch.Generator().manual_seed(6)).bfloat16()
             alone = torch.cat([w.linear(x[i : i + 1], None) for i in range(11)])
-            for m in (2, 3, 5, 8, 11):  # every x-row tile, and passes of 8 plus a tail
+            for m in (2, 3, 4, 5, 6, 8, 11):  # every tiling of the x rows, and passes of 8 plus a tail
                 assert torch.equal(w.linear(x[:m], None), alone[:m]), (n, int8, m)
 
 
