@@ -18,6 +18,13 @@ the many-rows panels of 4-bit codes transposed as stored (ca9c5b8) against the s
 ``--kinds q4_1,q8_0,q4_k --shapes 2048x576,1536x768 --rows 1,16``: at 16 rows (the panels) B / A
 0.94 and 0.91 (Q4_1), 0.93 (Q4_K); Q8_0, whose code did not change, 0.94 and 1.03, and every
 1-row case (the unchanged few-rows kernel) 0.97-1.01: the noise is about 5%. Every output the same.
+(Those ran the row layout, ``--layout rows``; the weights are interleaved, ``--layout x16``, by
+default since.) On 2026-12-06 (2-core EPYC, no AMX), the interleaved few-rows kernel decoding a unit
+for all of a call's tiles before each broadcast of x feeds them (2aeba02) against its parent,
+``--kinds q4_1,q5_0,q4_k,q6_k,q8_0 --shapes 2048x576,1536x1536 --rows 1,2,3,4,5,8 --path rows``:
+B / A 0.82-0.87 at 4 and 5 rows for the 4-, 5- and 6-bit types (Q6_K 0.86-0.90, Q8_0 0.88-0.90),
+0.90-0.97 at one row, 0.94-1.05 at 2 and 3 rows, 0.98-1.00 at 8 (one tile at a time, as before).
+Every output the same.
 """
 
 from __future__ import annotations
@@ -63,12 +70,13 @@ def worker(args) -> None:
         if (kind, n, k) not in weights:
             blocks = random_blocks(kind, n, k, seed=1)
             exact = torch.from_numpy(gguf_dequantized(blocks, kind, n, k))
-            weights[(kind, n, k)] = gguf_kernels.pack(block_scales(blocks, kind, n, k), exact)
+            weights[(kind, n, k)] = gguf_kernels.pack(block_scales(blocks, kind, n, k), exact,
+                                                      interleave=args.layout == "x16")
         packed, fmt = weights[(kind, n, k)]
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
 
-        # the row layout; sources from before the interleaved layout take no interleave argument
-        layout = (1,) if "interleave" in (kernels.gemm.__doc__ or "") else ()
+        # sources from before the interleaved layout take no interleave argument (the row layout)
+        layout = (gguf_kernels.X16_ROWS if args.layout == "x16" else 1,) if "interleave" in (kernels.gemm.__doc__ or "") else ()
 
         def call():
             return kernels.gemm(x, packed, *fmt, many_min_rows, False, False, *layout)
@@ -95,6 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--path", choices=["auto", "rows", "many"], default="auto",
                         help="rows: the few-rows kernel at every row count; many: the panels (AMX or AVX-512) at "
                              "every row count; auto: rows below 6 rows, the panels from 6 (the defaults on AMX)")
+    parser.add_argument("--layout", choices=["x16", "rows"], default="x16",
+                        help="the weights' layout: x16 interleaved (the default's), or rows")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--calls", type=int, default=50, help="calls per timing (the fastest of 5 timings is kept)")
     parser.add_argument("--rounds", type=int, default=3)
@@ -108,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     def run(source: str, *extra: str) -> str:
         cmd = [sys.executable, __file__, *args.sources, "--worker", "--source", source, "--kinds", args.kinds,
                "--shapes", args.shapes, "--rows", ",".join(map(str, args.rows)), "--path", args.path,
+               "--layout", args.layout,
                "--threads", str(args.threads), "--calls", str(args.calls), *extra]
         return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
 
@@ -117,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
         for path, rows in (("rows", few), ("many", many)):
             if rows:
                 main([*args.sources, "--kinds", args.kinds, "--shapes", args.shapes, "--rows", ",".join(map(str, rows)),
-                      "--path", path, "--threads", str(args.threads), "--calls", str(args.calls),
+                      "--path", path, "--layout", args.layout, "--threads", str(args.threads), "--calls", str(args.calls),
                       "--rounds", str(args.rounds)])
         return
     for source in args.sources:  # build each once, before any timing
@@ -130,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
                 times.setdefault(case, [[], []])[i].append(us)
                 digests.setdefault(case, [set(), set()])[i].add(digest)
     a, b = (Path(s).name for s in args.sources)
-    print(f"{args.path} path, {args.threads} thread(s), weights in cache; us per call, median of {args.rounds} "
+    print(f"{args.path} path, {args.layout} layout, {args.threads} thread(s), weights in cache; us per call, median of {args.rounds} "
           f"alternated rounds (each the fastest of 5 x {args.calls} calls)")
     print(f"{'case':26s} | {'A ' + a:>14s} | {'B ' + b:>14s} | B / A | bits")
     for case, (ta, tb) in times.items():

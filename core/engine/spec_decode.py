@@ -84,8 +84,8 @@ class Speculator:
 
     Adaptive, per request: a request whose last ``ACCEPTANCE_WINDOW`` draft tokens were accepted
     at a rate below ``min_acceptance_rate`` is not asked for the next ``PAUSE_STEPS`` steps
-    (each verified draft costs about 0.3 of a one-token step on the CPU, so a draft accepted less
-    than ~30% of the time loses; ``benchmarks/speculative.py``). For the whole batch: no
+    (each verified draft costs about 0.2-0.3 of a one-token step on the CPU, so a draft accepted
+    less than ~20-30% of the time loses; ``benchmarks/speculative.py``). For the whole batch: no
     speculation in a step where more than ``disable_by_batch_size`` requests decode.
     """
 
