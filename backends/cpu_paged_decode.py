@@ -73,6 +73,24 @@ cache, 5.0 -> 2.5 from memory; at 3,000 positions 13.1-13.5 -> 5.5 and 17.0-17.3
 one row level in cache (1.0 at 900, 3.1-3.4 at 3,000) and 0.1 ms / 0.2-0.3 ms faster from
 memory (1.81-1.84 -> 1.71, 6.2-6.5 -> 6.0-6.2).
 
+Prefill (``prefill_causal(q, k, v, out, scale)``, AVX512-BF16 CPUs, bf16, head dims 64 and 128):
+one chunk's query rows ``q [Lq, H, D]`` against its gathered context ``k, v [Lk, Hkv, D]`` (the
+torch backend's ``index_select`` of the chunk's slots; ``Lk >= Lq``, the last ``Lq`` positions the
+queries'), bottom-right causal: row ``t`` sees keys ``0 .. Lk - Lq + t``. torch's CPU flash
+attention ran a 512-token prefill of the default model's heads at 4.4 ms a layer (~55 G
+multiply-adds a second: 37% of the prefill's time) where a bf16 matmul of those sizes runs ~400.
+Here K is transposed once per call into pairs by key (a block of 64 keys one run of memory) and
+V widened to fp32; work items are (query head, 16 rows), the last rows first (they see the most
+keys), handed out dynamically. Per block of 64 keys, four rows at a time: their scores are
+``vdpbf16ps`` of 16 keys' pairs (lanes = keys) times a query pair broadcast once for four of them;
+then each row's online softmax in fp32 (exact 0 past its causal end) and its fp32 accumulator
+plus the weights times V with FMAs (no rounding of the weights to bf16). Against float64 it is as
+close as SDPA (max error 7.6e-3 against 7.6e-3 on 512 tokens, the bf16 output's rounding); 512
+tokens 2.1x faster, 128 2.5x, 2048 1.4x (per layer, 2 threads, the 2-core EPYC). The backend
+uses it for every chunk of a layer without a sliding window or soft cap (option
+``cpu_prefill_kernel``); a 512-token prefill of the default model 510 -> 412 ms, its attention
+(KV write and gather included) 193 -> 101 ms.
+
 Threads: OpenMP with ``at::get_num_threads()`` threads (``torch.set_num_threads`` applies); the
 library links libgomp, which resolves to the copy torch has loaded, so there is one thread pool.
 
@@ -132,6 +150,7 @@ def kernels() -> ModuleType | None:
     groups, scale, out, window=0, soft_cap=0.)`` and ``write_and_decode_grouped(..., seq_lens,
     groups, scale, ...)``: request b's rows are ``groups[b] .. groups[b + 1] - 1`` (int32,
     ``groups[0] = 0``), consecutive tokens of one sequence (``seq_lens`` one apart, block-table row
-    b), each K/V tile read once for all of them (speculative verification, short chunks).
+    b), each K/V tile read once for all of them (speculative verification, short chunks); and, where
+    ``has_prefill_causal``, ``prefill_causal(q, k, v, out, scale)`` (above).
     ``None`` where ``load`` fails."""
     return _loaded.get("module") if load() is not None else None

@@ -337,3 +337,88 @@ def test_a_row_has_the_same_bits_alone_or_in_a_group(kernel, head_dim, window, c
             v = torch.stack([v_cache[table[b, p // 16], p % 16] for p in range(n)]).double()
             want = brute_force_banded(q[row], k, v, n, window, cap, head_dim, group)
             torch.testing.assert_close(grouped[row].double(), want, atol=atol * (3 if cap else 1), rtol=rtol)
+
+
+# ---- the causal prefill kernel (prefill_causal) ----------------------------------------------
+
+
+def brute_force_prefill(q, k, v, scale):
+    """float64, query row t of q [Lq, H, D] sees keys 0 .. Lk - Lq + t of k, v [Lk, Hkv, D]."""
+    (q_len, num_heads, _), (seq_len, num_kv_heads, _) = q.shape, k.shape
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for t in range(q_len):
+        seen = seq_len - q_len + t + 1
+        for h in range(num_heads):
+            g = h // (num_heads // num_kv_heads)
+            scores = (k[:seen, g].double() * q[t, h].double()).sum(-1) * scale
+            weights = torch.exp(scores - scores.max())
+            out[t, h] = (weights[:, None] * v[:seen, g].double()).sum(0) / weights.sum()
+    return out
+
+
+needs_prefill = pytest.mark.skipif(
+    not getattr(cpu_paged_decode.kernels(), "has_prefill_causal", False) if shutil.which("c++") or shutil.which("g++")
+    else True, reason="no C++ compiler, or no AVX512-BF16: the torch backend prefills with SDPA")
+
+
+@needs_prefill
+@pytest.mark.parametrize("head_dim,heads", [(64, (9, 3)), (128, (4, 4)), (64, (2, 1))])
+@pytest.mark.parametrize("q_len,seq_len", [(1, 1), (7, 7), (33, 100), (70, 70), (5, 130)])
+def test_prefill_causal_matches_brute_force(head_dim, heads, q_len, seq_len):
+    """Row blocks of 16 and key blocks of 64, with their tails; a prefix (seq_len > q_len); GQA;
+    queries as strided rows of a wider tensor, as the model's fused qkv projection leaves them."""
+    gen = torch.Generator().manual_seed(q_len * 1000 + seq_len)
+    num_heads, num_kv_heads = heads
+    qkv = (torch.randn(q_len, (num_heads + 1) * head_dim, generator=gen) * 2).bfloat16()
+    q = qkv[:, head_dim:].view(q_len, num_heads, head_dim)
+    k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).bfloat16()
+    v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).bfloat16()
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16)
+    scale = head_dim ** -0.5
+    cpu_paged_decode.kernels().prefill_causal(q, k, v, out, scale)
+    atol, rtol = TOLERANCE[torch.bfloat16]
+    torch.testing.assert_close(out.double(), brute_force_prefill(q, k, v, scale), atol=atol, rtol=rtol)
+
+
+@needs_prefill
+def test_prefill_causal_rejects_what_it_cannot_run():
+    prefill = cpu_paged_decode.kernels().prefill_causal
+    q, kv = torch.zeros(4, 2, 64).bfloat16(), torch.zeros(4, 1, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        prefill(q.float(), kv, kv, torch.empty_like(q), 0.1)
+    with pytest.raises(RuntimeError, match="Lk >= Lq"):
+        prefill(q, kv[:2], kv[:2], torch.empty_like(q), 0.1)
+    with pytest.raises(RuntimeError, match="head dim of 64 or 128"):
+        small = torch.zeros(4, 2, 32).bfloat16()
+        prefill(small, small[:, :1], small[:, :1], torch.empty_like(small), 0.1)
+
+
+@needs_prefill
+def test_backend_prefills_with_the_kernel_where_it_can():
+    """A bf16 prefill after a cached prefix, through the torch backend: the kernel runs (and not
+    with a sliding window or a soft cap, which SDPA keeps), and matches SDPA's output."""
+    from paged.core.attention import AttentionSettings
+
+    layout = AttentionLayout(1, 9, 3, 64, 16, torch.bfloat16, torch.device("cpu"))
+    outs, calls = {}, []
+    for use in (True, False):
+        backend = TorchAttentionBackend(layout, TorchAttentionOptions(cpu_prefill_kernel=use))
+        assert (backend._prefill_causal is not None) == use
+        if use:
+            kernel = backend._prefill_causal
+            backend._prefill_causal = lambda *a: (calls.append(a[0].shape[0]), kernel(*a))[1]
+        (k_cache, v_cache), = backend.allocate_kv_cache(16)
+        gen = torch.Generator().manual_seed(3)
+        batch = make_batch([[1, 2, 3, 4, 5, 6]], [20], [70], block_size=16)  # 20 cached, 70 new
+        cached = torch.randn(20, 3, 64, generator=gen).bfloat16(), torch.randn(20, 3, 64, generator=gen).bfloat16()
+        slots = [b * 16 + o for b in (1, 2) for o in range(16)][:20]
+        k_cache.view(-1, 3, 64)[slots], v_cache.view(-1, 3, 64)[slots] = cached
+        q, k, v = (torch.randn(70, h, 64, generator=gen).bfloat16() for h in (9, 3, 3))
+        meta = backend.build_metadata(batch)
+        outs[use] = backend.forward(q, k, v, (k_cache, v_cache), meta)
+        if use:
+            assert calls == [70]
+            backend.forward(q, k, v, (k_cache, v_cache), meta, AttentionSettings(sliding_window=30))
+            backend.forward(q, k, v, (k_cache, v_cache), meta, AttentionSettings(logits_soft_cap=5.0))
+            assert calls == [70]
+    torch.testing.assert_close(outs[True].float(), outs[False].float(), atol=1e-2, rtol=8e-3)

@@ -71,11 +71,12 @@ def run_scenario(
     """Cache each request's prefix (through an earlier forward step with its own slot mapping,
     or written directly), then run one mixed step and check every layer against the reference.
     Blocks are handed out shuffled; block 0 (the block-table padding) and some spare blocks
-    stay unused and NaN. ``kernel``: the option ``cpu_decode_kernel`` (CPU decodes through the
-    fused kernel, else gather + SDPA)."""
+    stay unused and NaN. ``kernel``: the options ``cpu_decode_kernel`` and ``cpu_prefill_kernel``
+    (CPU decodes through the fused kernel and bf16 prefills of head dim 64/128 through the causal
+    one, else gather + SDPA)."""
     gen = torch.Generator().manual_seed(seed)
     layout = make_layout(num_heads, num_kv_heads, head_dim, block_size, dtype, device, layers)
-    backend = TorchAttentionBackend(layout, TorchAttentionOptions(cpu_decode_kernel=kernel))
+    backend = TorchAttentionBackend(layout, TorchAttentionOptions(cpu_decode_kernel=kernel, cpu_prefill_kernel=kernel))
     if kernel and layout.device.type == "cpu":  # a "kernel" case must run the kernel, not the fallback
         assert backend._kernel is not None, "cpu_paged_decode did not load"
     seq_lens = [c + q for c, q in requests]
