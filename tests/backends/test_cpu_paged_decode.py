@@ -356,15 +356,19 @@ def brute_force_prefill(q, k, v, scale):
     return out
 
 
-needs_prefill = pytest.mark.skipif(
-    not getattr(cpu_paged_decode.kernels(), "has_prefill_causal", False) if shutil.which("c++") or shutil.which("g++")
-    else True, reason="no C++ compiler, or no AVX512-BF16: the torch backend prefills with SDPA")
+@pytest.fixture(scope="module")
+def prefill(kernel):
+    """``prefill_causal`` (the library built, as ``kernel`` checks); skips on CPUs without
+    AVX512-BF16, where the torch backend prefills with SDPA."""
+    kernels = cpu_paged_decode.kernels()
+    if not kernels.has_prefill_causal:
+        pytest.skip("no AVX512-BF16: the torch backend prefills with SDPA")
+    return kernels.prefill_causal
 
 
-@needs_prefill
 @pytest.mark.parametrize("head_dim,heads", [(64, (9, 3)), (128, (4, 4)), (64, (2, 1))])
 @pytest.mark.parametrize("q_len,seq_len", [(1, 1), (7, 7), (33, 100), (70, 70), (5, 130)])
-def test_prefill_causal_matches_brute_force(head_dim, heads, q_len, seq_len):
+def test_prefill_causal_matches_brute_force(prefill, head_dim, heads, q_len, seq_len):
     """Row blocks of 16 and key blocks of 64, with their tails; a prefix (seq_len > q_len); GQA;
     queries as strided rows of a wider tensor, as the model's fused qkv projection leaves them."""
     gen = torch.Generator().manual_seed(q_len * 1000 + seq_len)
@@ -375,14 +379,12 @@ def test_prefill_causal_matches_brute_force(head_dim, heads, q_len, seq_len):
     v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).bfloat16()
     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16)
     scale = head_dim ** -0.5
-    cpu_paged_decode.kernels().prefill_causal(q, k, v, out, scale)
+    prefill(q, k, v, out, scale)
     atol, rtol = TOLERANCE[torch.bfloat16]
     torch.testing.assert_close(out.double(), brute_force_prefill(q, k, v, scale), atol=atol, rtol=rtol)
 
 
-@needs_prefill
-def test_prefill_causal_rejects_what_it_cannot_run():
-    prefill = cpu_paged_decode.kernels().prefill_causal
+def test_prefill_causal_rejects_what_it_cannot_run(prefill):
     q, kv = torch.zeros(4, 2, 64).bfloat16(), torch.zeros(4, 1, 64).bfloat16()
     with pytest.raises(RuntimeError, match="bfloat16"):
         prefill(q.float(), kv, kv, torch.empty_like(q), 0.1)
@@ -393,8 +395,7 @@ def test_prefill_causal_rejects_what_it_cannot_run():
         prefill(small, small[:, :1], small[:, :1], torch.empty_like(small), 0.1)
 
 
-@needs_prefill
-def test_backend_prefills_with_the_kernel_where_it_can():
+def test_backend_prefills_with_the_kernel_where_it_can(prefill):
     """A bf16 prefill after a cached prefix, through the torch backend: the kernel runs (and not
     with a sliding window or a soft cap, which SDPA keeps), and matches SDPA's output."""
     from paged.core.attention import AttentionSettings
