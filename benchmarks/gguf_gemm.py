@@ -24,9 +24,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576), "down_proj": (576, 1536)}
@@ -41,6 +38,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args(argv)
+
+    import numpy as np  # after the arguments: --help answers without loading torch
+    import torch
 
     from helpers.gguf_blocks import block_scales, gguf_dequantized, random_blocks
     from paged.plugins import gguf_kernels, quant_kernels

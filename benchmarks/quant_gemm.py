@@ -18,9 +18,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import numpy as np
-import torch
-
 SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576), "down_proj": (576, 1536)}
 LM_HEAD = (49152, 576)  # the tied embedding, Q8_0 in the GGUF: int8 per channel
 
@@ -31,6 +28,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args(argv)
+
+    import numpy as np  # after the arguments: --help answers without loading torch
+    import torch
 
     from paged.plugins import quant_kernels
 
