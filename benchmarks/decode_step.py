@@ -19,15 +19,17 @@ LM head's size.
 
 Measured on the 2-core AMD EPYC (AVX-512 BF16, no AMX), 2026-12-06, quiet, the default model's Q4_1
 file, one run: 215.1 tok/s, 4.65 ms a token = the core's step 4.61 (the runner's ``execute`` 4.55:
-decoder layers 3.19, LM head 1.00, inputs 0.11, sampler 0.10; schedule and update 0.04). The
-layers' weights (66 MB a step) stream at ~21 GB/s, the LM head's (30 MB) at ~30. ``calls``: 960x576
-(0.35 MB) 14.7 us a call = 23.5 GB/s, 576x576 8.7 us = 23.8 GB/s, 3072x576 32.6 us = 33.9 GB/s,
-12288x576 38.8 GB/s, 49152x576 41.6 GB/s (another run: 26.5 / 20.8 / 32.2 / 36.2 / 36.4). A decode
-step's products are small calls: each pays a parallel region (~1.7 us: 576x576 in cache 8.2 us on
-one thread, 6.1 on two; 32x576 2.0 against 2.8) and the stream's start. Prefetching the
-o-projection's weights before the attention, in a parallel region of its own, took the o product
-from 10.0 to 7-7.8 us a layer and added 6.5 us to the attention (the prefetches wait for the memory
-as the loads did): no gain unless the prefetches ride in work that leaves the memory idle.
+decoder layers 3.19, LM head 1.00, inputs 0.11, sampler 0.10; schedule and update 0.04). The LM
+head's 30 MB of weights stream at ~30 GB/s; the layers' 66 MB at ~27 within their products (README:
+the rest of a layer's time is its norms and attention). ``calls``: 960x576 (0.35 MB) 14.7 us a call
+= 23.5 GB/s, 576x576 8.7 us = 23.8 GB/s, 3072x576 32.6 us = 33.9 GB/s, 12288x576 38.8 GB/s,
+49152x576 41.6 GB/s (another run: 26.5 / 20.8 / 32.2 / 36.2 / 36.4). A decode step's products are
+small calls: each pays a parallel region (~1.7 us: 576x576 in cache 8.2 us on one thread, 6.1 on
+two; 32x576 2.0 against 2.8) and the stream's start. Prefetching the o-projection's weights before
+the attention, in a parallel region of its own, took the o product from 10.0 to 7-7.8 us a layer
+and added 6.5 us to the attention (the prefetches wait for the memory as the loads did): no gain;
+nor did prefetching the next weight at a barrier, in the README's trial of one parallel region for
+a step's products (1.14x from the region alone).
 """
 
 from __future__ import annotations
