@@ -15,6 +15,16 @@ what ``amx_min_rows``, or ``panel_min_rows`` without AMX, should be.
 
     python benchmarks/gguf_gemm.py
     python benchmarks/gguf_gemm.py --kinds q4_k,q6_k --rows 1,4,16,64,256 --rounds 7
+    python benchmarks/gguf_gemm.py --by-size --kinds q4_1
+
+``--by-size``: instead, the one-row product of the interleaved layout (a decode step's) by the
+weight's size: for each of BY_SIZE's shapes, copies holding 64 MB (so each call's weight comes
+from memory) called in turn; us a call and GB/s of the weight's bytes, per type of ``--kinds``.
+The default model's q/k/v, o and gate/up shapes come first, its LM head's size last. 2026-12-06,
+2-core EPYC, Q4_1 (two runs): 960x576 (0.35 MB) 14.7 us = 23.5 GB/s (26.5), 576x576 8.7 us =
+23.8 GB/s (20.8), 3072x576 32.6 us = 33.9 GB/s (32.2), 12288x576 38.8 GB/s (36.2), 49152x576
+41.6 GB/s (36.4): a short call pays a parallel region (~1.7 us; 576x576 in cache 8.2 us on one
+thread, 6.1 on two) and the start of its stream.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576), "down_proj": (576, 1536)}
 # K-quants need rows of whole 256-input super-blocks (576 is not): the same model widened to 768
 K_SHAPES = {"qkv_proj": (1280, 768), "o_proj": (768, 768), "gate_up_proj": (4096, 768), "down_proj": (768, 2048)}
+BY_SIZE = [(960, 576), (576, 576), (3072, 576), (12288, 576), (49152, 576)]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -37,6 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16, 32, 64, 128, 512])
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--by-size", action="store_true", help="the one-row product by weight size (see above)")
     args = parser.parse_args(argv)
 
     import numpy as np  # after the arguments: --help answers without loading torch
@@ -48,6 +60,10 @@ def main(argv: list[str] | None = None) -> None:
     kernels = gguf_kernels.load()
     if kernels is None:
         raise SystemExit("the GGUF kernels are not available here (no AVX-512 BF16, or no compiler)")
+    if args.by_size:
+        for kind in args.kinds.split(","):
+            by_size(kernels, kind, args.rounds)
+        return
     int4 = quant_kernels.load()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, AMX: {kernels.amx_available()}; "
           f"median ms per pass ({args.layers} layers x 4 projections) of {args.rounds} alternated rounds")
@@ -105,6 +121,37 @@ def main(argv: list[str] | None = None) -> None:
             med = {c: float(np.median(t)) for c, t in times.items()}
             best = min(med, key=med.get)
             print(f"{m:>4} | " + " | ".join(f"{med[c]:8.2f}" for c in candidates) + f" | {best}")
+
+
+
+def by_size(kernels, kind: str, rounds: int, megabytes: int = 64) -> None:
+    import statistics
+
+    import torch
+
+    from helpers.gguf_blocks import block_scales, gguf_dequantized, random_blocks
+    from paged.plugins import gguf_kernels
+
+    print(f"\n{kind}: one x row, interleaved layout, copies holding {megabytes} MB, median of {rounds} passes")
+    for n, k in BY_SIZE:
+        k = 768 if kind.endswith("_k") else k  # whole 256-input super-blocks (as K_SHAPES)
+        blocks = random_blocks(kind, n, k, seed=0)
+        w = torch.from_numpy(gguf_dequantized(blocks, kind, n, k))
+        packed, fmt = gguf_kernels.pack(block_scales(blocks, kind, n, k), w, interleave=True)
+        nbytes = packed.numel() * packed.element_size()
+        copies = [packed.clone() for _ in range(max(2, megabytes * 2**20 // nbytes))]
+        x = torch.randn(1, k).bfloat16()
+
+        def one_pass() -> float:
+            start = time.perf_counter()
+            for c in copies:
+                kernels.gemm(x, c, *fmt, 0, False, False, gguf_kernels.X16_ROWS)
+            return time.perf_counter() - start
+
+        one_pass()
+        seconds = statistics.median(one_pass() for _ in range(rounds))
+        print(f"  {n:>5}x{k:<5} {nbytes / 1e6:7.3f} MB x {len(copies):>4} calls: {seconds / len(copies) * 1e6:7.1f} us "
+              f"a call, {len(copies) * nbytes / seconds / 1e9:5.1f} GB/s")
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ Two measurements, both on the CPU with the default model:
   and nothing else. Cases ``B x context``: 1 x 128, 64 x 128 and 64 x 2048 (block tables of 128
   ids a row, where copying held block ids shows).
 * ``step``: whole decode steps of the real engine (``LLM.generate``, 128-token prompts): the
-  median ``execute`` time, of which the model (forward + logits) and the sampler; ``host`` is
-  execute minus those two, per step.
+  median ``execute`` time, of which the model (the decoder layers, ``forward_model``, and the LM
+  head, ``compute_logits``) and the sampler; ``host`` is execute minus those, per step.
 
 ``--runner PATH`` loads ``ModelRunner`` from that file in place of the package's (e.g. a copy of
 an older ``core/engine/model_runner.py``), so two runners can be timed alternately:
@@ -123,8 +123,8 @@ def time_steps(llm, batch: int, new_tokens: int) -> dict:
 
     forward, logits, sample, execute = (runner.forward_model, runner.model.compute_logits, runner.sampler.sample,
                                         runner.execute)
-    runner.forward_model = timing("model", forward)
-    runner.model.compute_logits = timing("model", logits)
+    runner.forward_model = timing("layers", forward)
+    runner.model.compute_logits = timing("lm_head", logits)
     runner.sampler.sample = timing("sample", sample)
 
     def timed_execute(output):
@@ -133,7 +133,9 @@ def time_steps(llm, batch: int, new_tokens: int) -> dict:
         result = execute(output)
         total = time.perf_counter() - start
         if len(output.scheduled) == batch and all(s.num_new_tokens == 1 for s in output.scheduled):
-            rows.append({"execute": total, "model": laps.get("model", 0.0), "sample": laps.get("sample", 0.0)})
+            layers, lm_head = laps.get("layers", 0.0), laps.get("lm_head", 0.0)
+            rows.append({"execute": total, "model": layers + lm_head, "layers": layers, "lm_head": lm_head,
+                         "sample": laps.get("sample", 0.0)})
         return result
 
     runner.execute = timed_execute
@@ -143,7 +145,7 @@ def time_steps(llm, batch: int, new_tokens: int) -> dict:
     finally:
         runner.forward_model, runner.model.compute_logits, runner.sampler.sample = forward, logits, sample
         del runner.execute
-    med = {k: statistics.median(r[k] for r in rows) * 1e3 for k in ("execute", "model", "sample")}
+    med = {k: statistics.median(r[k] for r in rows) * 1e3 for k in ("execute", "model", "layers", "lm_head", "sample")}
     med["host"] = statistics.median((r["execute"] - r["model"] - r["sample"]) for r in rows) * 1e3
     return {"batch": batch, "steps": len(rows), **{f"{k}_ms": v for k, v in med.items()}}
 
@@ -179,8 +181,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"inputs  B={row['requests']:<3} context {row['context']:>5}: median {row['median_us']:8.1f} us "
               f"(p90 {row['p90_us']:.1f}) over {row['steps']} steps")
     for row in results.get("step", []):
-        print(f"step    B={row['batch']:<3}: execute {row['execute_ms']:7.2f} ms = model {row['model_ms']:7.2f} + "
-              f"sampler {row['sample_ms']:5.2f} + host {row['host_ms']:5.2f} (median of {row['steps']} steps)")
+        print(f"step    B={row['batch']:<3}: execute {row['execute_ms']:7.2f} ms = model {row['model_ms']:7.2f} "
+              f"(layers {row['layers_ms']:.2f} + LM head {row['lm_head_ms']:.2f}) + sampler {row['sample_ms']:5.2f} "
+              f"+ host {row['host_ms']:5.2f} (median of {row['steps']} steps)")
 
 
 if __name__ == "__main__":
