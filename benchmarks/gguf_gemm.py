@@ -10,8 +10,9 @@ their 256-input super-blocks): ``rows``, vdpbf16ps on exact codes; ``rows-i8``, 
 with int8 activations (vpdpbusd); ``many``, dequantized bf16 panels on AMX tiles, or without AMX in
 register blocks of vdpbf16ps; ``many-i8``, the panels with ``int8_panels`` (int8 codes and
 activations, vpdpbusd; on AMX CPUs the same as ``many``); for every type also ``rows-x16`` and
-``many-x16``, the same two paths on the interleaved layout (16 weight rows side by side). The row count from which ``many`` wins is
-what ``amx_min_rows``, or ``panel_min_rows`` without AMX, should be.
+``many-x16``, the same two paths on the interleaved layout (16 weight rows side by side; on AMX CPUs ``rows-x16`` runs 2
+or more x rows on AMX tiles of the exact codes, and ``rows-x16-dp`` is it with vdpbf16ps). The row count from which
+``many`` wins is what ``amx_min_rows``, or ``panel_min_rows`` without AMX, should be.
 
     python benchmarks/gguf_gemm.py
     python benchmarks/gguf_gemm.py --kinds q4_k,q6_k --rows 1,4,16,64,256 --rounds 7
@@ -99,6 +100,14 @@ def main(argv: list[str] | None = None) -> None:
                                                                False, gguf_kernels.X16_ROWS)
             candidates["many-x16"] = lambda x, i: kernels.gemm(x, weights["x16"][i][0], *weights["x16"][i][1], 1, False,
                                                                False, gguf_kernels.X16_ROWS)
+            if kernels.amx_available():  # rows-x16 runs 2 or more x rows on AMX tiles; this, with vdpbf16ps
+                def rows_x16_dp(x, i):
+                    kernels.set_amx_few_rows(False)
+                    try:
+                        return candidates["rows-x16"](x, i)
+                    finally:
+                        kernels.set_amx_few_rows(True)
+                candidates["rows-x16-dp"] = rows_x16_dp
         if "int4" in weights:
             candidates["int4"] = lambda x, i: int4.int4_gemm(x, weights["int4"][i])
         print(f"{'M':>4} | " + " | ".join(f"{c:>8}" for c in candidates) + " | best")

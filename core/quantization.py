@@ -154,6 +154,10 @@ class QuantizedWeight(Protocol):
     def nbytes(self) -> int:
         """Bytes held (codes, scales, any dense copy)."""
 
+    # Optional (not part of the protocol's check): ``linear_float(x) -> [M, N]`` float32, ``x W^T``
+    # with the sums not rounded to ``x``'s dtype; the LM head (``ParallelLMHead``) uses it for the
+    # logits where a weight has it.
+
 
 @dataclass(frozen=True)
 class QuantizationMethodSpec:

@@ -205,8 +205,14 @@ class ParallelLMHead(VocabParallelEmbedding):
     packed_weight: torch.Tensor | None = None  # set by prepack_cpu_linears
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        """Float32 logits ``[N, vocab]`` on rank 0; None on the other ranks."""
-        logits = self.tp.gather_last_dim(linear(hidden_states, self.weight, self.packed_weight, None, self.qweight))
+        """Float32 logits ``[N, vocab]`` on rank 0; None on the other ranks. A quantized weight
+        with ``linear_float`` (optional, e.g. the ``gguf`` method's) gives them in float32 as it
+        sums them, not rounded to the model's dtype first."""
+        linear_float = getattr(self.qweight, "linear_float", None)
+        if linear_float is not None:
+            logits = self.tp.gather_last_dim(linear_float(hidden_states))
+        else:
+            logits = self.tp.gather_last_dim(linear(hidden_states, self.weight, self.packed_weight, None, self.qweight))
         return None if logits is None else logits[:, : self.num_embeddings].float()
 
 

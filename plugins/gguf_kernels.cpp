@@ -9,6 +9,7 @@
 #include <torch/python.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -52,6 +53,10 @@ bool available() {
   return false;
 #endif
 }
+
+// Few rows of interleaved weights on AMX tiles (gemm_rows_x16_amx) where the CPU has them; off only
+// to compare with the vdpbf16ps kernel (benchmarks/gguf_gemm.py, set_amx_few_rows)
+std::atomic<bool> amx_few_rows{true};
 
 bool amx_available() {
 #ifdef PAGED_GGUF_AMX
@@ -171,13 +176,24 @@ struct Ctx {
   Format f;
   const uint16_t* xb;  // x [M, K] bf16 bits
   const float* xs;     // per group of x, the sum of x [M, K / group]
-  uint16_t* out;       // [M, N] bf16 bits
+  uint16_t* out;       // [M, N] bf16 bits, or null where outf is not
   const int8_t* xq;    // int8 activations: x [M, K] quantized per 32 inputs (or null)
   const float* xql;    // their scales, lane-expanded per 64-input chunk [M, K / 64, 16] (few rows)
   const float* dx;     // their scales per 32 inputs [M, K / 32] (int8 panels)
   int64_t stride;      // f.row_bytes(K), computed once per call (it divides)
   const uint16_t* xw;  // few rows (tile_words): x in the codes' word order [M, K] (word_order_x), else null
+  float* outf = nullptr;  // [M, N] float32 (gemm_f32: the LM head's logits, not rounded to bf16)
 };
+
+// outputs n .. n + 15 of row m, or output n alone, as bf16 or (gemm_f32) float32
+inline void store16(const Ctx& ctx, int64_t m, int64_t n, __m512 v) {
+  if (ctx.outf != nullptr) _mm512_storeu_ps(ctx.outf + m * ctx.N + n, v);
+  else _mm256_storeu_si256(reinterpret_cast<__m256i*>(ctx.out + m * ctx.N + n), (__m256i)_mm512_cvtneps_pbh(v));
+}
+inline void store1(const Ctx& ctx, int64_t m, int64_t n, float v) {
+  if (ctx.outf != nullptr) ctx.outf[m * ctx.N + n] = v;
+  else ctx.out[m * ctx.N + n] = f_to_bf16(v);
+}
 
 constexpr int AND_OR = 0xEA;  // (A & B) | C as a ternary-logic table
 
@@ -264,7 +280,7 @@ void tile(const uint8_t* w, const Ctx& ctx, int64_t n, int64_t m0) {
   }
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MT; ++m)
-      ctx.out[(m0 + m) * ctx.N + n + r] = f_to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(acc[r][m], acc1[r][m])));
+      store1(ctx, m0 + m, n + r, _mm512_reduce_add_ps(_mm512_add_ps(acc[r][m], acc1[r][m])));
 }
 
 // Inputs per 64 bytes of codes (a "unit"): two 4-bit chunks, or one 8-bit chunk.
@@ -410,7 +426,7 @@ void tile_words(const uint8_t* w, const Ctx& ctx, int64_t n, int64_t m0) {
   }
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MT; ++m)
-      ctx.out[(m0 + m) * ctx.N + n + r] = f_to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(acc[r][m], acc1[r][m])));
+      store1(ctx, m0 + m, n + r, _mm512_reduce_add_ps(_mm512_add_ps(acc[r][m], acc1[r][m])));
 }
 
 // The next panel's 32 weight rows (one contiguous run of bytes) toward the cache while this one
@@ -547,7 +563,7 @@ void tile_int8(const uint8_t* w, const Ctx& ctx, int64_t n, int64_t m0) {
       for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_fmadd_ps(offset[r], _mm512_maskz_loadu_ps(k, xs + m * groups + g0), acc[r][m]);
   }
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MT; ++m) ctx.out[(m0 + m) * ctx.N + n + r] = f_to_bf16(_mm512_reduce_add_ps(acc[r][m]));
+    for (int m = 0; m < MT; ++m) store1(ctx, m0 + m, n + r, _mm512_reduce_add_ps(acc[r][m]));
 }
 
 // The many-rows path with int8 activations (AVX-512 VNNI, no AMX): 32 weight rows' codes as
@@ -611,8 +627,7 @@ void int8_panel_rows(const uint32_t* codes, const float* scale, const float* off
   }
   for (int m = 0; m < MR; ++m)
     for (int h = 0; h < 2; ++h)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ctx.out + (m0 + m) * ctx.N + n0 + 16 * h),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(acc[m][h])));
+      store16(ctx, m0 + m, n0 + 16 * h, _mm512_load_ps(acc[m][h]));
 }
 
 constexpr int INT8_PANEL_MR = 8;  // x rows per register block: 16 int32 accumulators of a group's dot products
@@ -777,6 +792,20 @@ inline void add_high_bits(const uint8_t* tile, const Layout& L, int64_t j, __m51
     n[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(hv, 2), bits45, n[3], AND_OR);
   }
 }
+// unit j of a tile: its nibbles at bits 0, 4, 8 and 12 of each word as bf16 numbers, 128 + u (8
+// bits: the low nibble 128 + lo, the high one 2048 + 16 hi), with bits 4 (and 5) added
+template <int BITS>
+inline void decode_unit(const uint8_t* tile, const Layout& L, int64_t j, __m512i* n) {
+  const __m512i nibble = _mm512_set1_epi16(0x000f);
+  const __m512i bias = _mm512_set1_epi16(0x4300);                          // bf16 128.0: | u makes 128 + u
+  const __m512i bias_hi = _mm512_set1_epi16(BITS == 8 ? 0x4500 : 0x4300);  // 8 bits: 2048 + 16 hi
+  const __m512i v = _mm512_loadu_si512(tile + 64 * j);
+  n[0] = _mm512_ternarylogic_epi32(v, nibble, bias, AND_OR);
+  n[1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nibble, bias_hi, AND_OR);
+  n[2] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 8), nibble, bias, AND_OR);
+  n[3] = _mm512_or_si512(_mm512_srli_epi16(v, 12), bias_hi);
+  add_high_bits<BITS>(tile, L, j, n);
+}
 }  // namespace X16
 
 // TILES weight tiles from tile t0 (outputs 16 t0 ..) for MT x rows from m0. Per group: per unit,
@@ -800,9 +829,6 @@ void tile_x16(const uint8_t* w, const Ctx& ctx, const X16::Layout& L, int64_t t0
   const int64_t K = ctx.K, groups = K / G;
   const uint16_t* xb = ctx.xb + m0 * K;
   const float* xs = ctx.xs + m0 * groups;
-  const __m512i nibble = _mm512_set1_epi16(0x000f);
-  const __m512i bias = _mm512_set1_epi16(0x4300);                          // bf16 128.0: | u makes 128 + u
-  const __m512i bias_hi = _mm512_set1_epi16(BITS == 8 ? 0x4500 : 0x4300);  // 8 bits: 2048 + 16 hi
   // the outputs' sums, in memory: updated once per group, they leave the registers to the chains
   alignas(64) float res[TILES][MT][16] = {};
   const int64_t second_field = L.two_level ? L.o_apart : L.dm_apart;  // o or dm, from a or d
@@ -826,13 +852,7 @@ void tile_x16(const uint8_t* w, const Ctx& ctx, const X16::Layout& L, int64_t t0
           if (MASK_BYTES > 0 && MASK_BYTES * j % 64 == 0)  // the next line of high bits
             _mm_prefetch(reinterpret_cast<const char*>(L.high_bits(ahead[tt], j)), _MM_HINT_T1);
         }
-        const __m512i v = _mm512_loadu_si512(tile + 64 * j);
-        // the unit's nibbles at bits 0, 4, 8 and 12 of each word, as bf16 numbers
-        n[tt][0] = _mm512_ternarylogic_epi32(v, nibble, bias, AND_OR);
-        n[tt][1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nibble, bias_hi, AND_OR);
-        n[tt][2] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 8), nibble, bias, AND_OR);
-        n[tt][3] = _mm512_or_si512(_mm512_srli_epi16(v, 12), bias_hi);
-        X16::add_high_bits<BITS>(tile, L, j, n[tt]);
+        X16::decode_unit<BITS>(tile, L, j, n[tt]);
       }
       for (int m = 0; m < MT; ++m) {
         // x's input pair p of the unit (inputs INPUTS j + 2p, + 1), broadcast from memory once for
@@ -885,8 +905,7 @@ void tile_x16(const uint8_t* w, const Ctx& ctx, const X16::Layout& L, int64_t t0
   }
   for (int tt = 0; tt < TILES; ++tt)
     for (int m = 0; m < MT; ++m)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ctx.out + (m0 + m) * ctx.N + X16::ROWS * (t0 + tt)),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(res[tt][m])));
+      store16(ctx, m0 + m, X16::ROWS * (t0 + tt), _mm512_load_ps(res[tt][m]));
 }
 
 // Tiles t0 .. t1 - 1 for MT x rows from m0, several tiles at a time for few x rows (one x row:
@@ -1096,7 +1115,7 @@ void dequantize_panel(const Ctx& ctx, const uint8_t* w, int64_t n0, uint32_t* pa
 // MR x rows' pair broadcast, into MR x 2 fp32 accumulators. The weights are rounded to bf16 once
 // (as the AMX path and a dense copy hold them); every product is summed in fp32.
 template <int MR>
-void panel_rows(const uint32_t* panel, const uint16_t* xb, int64_t K, int64_t N, int64_t m0, int64_t n0, uint16_t* out) {
+void panel_rows(const uint32_t* panel, const uint16_t* xb, int64_t K, int64_t m0, int64_t n0, const Ctx& ctx) {
   __m512 acc[MR][2];
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
   for (int64_t kb = 0; kb < K / 32; ++kb) {
@@ -1115,8 +1134,7 @@ void panel_rows(const uint32_t* panel, const uint16_t* xb, int64_t K, int64_t N,
   }
   for (int m = 0; m < MR; ++m)
     for (int h = 0; h < 2; ++h)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m0 + m) * N + n0 + 16 * h),
-                          (__m256i)_mm512_cvtneps_pbh(acc[m][h]));
+      store16(ctx, m0 + m, n0 + 16 * h, acc[m][h]);
 }
 
 constexpr int PANEL_MR = 8;  // x rows per register block: 16 accumulators, 2 weight vectors, 1 broadcast
@@ -1132,15 +1150,15 @@ void gemm_panel(const Ctx& ctx, const uint8_t* w, int64_t M) {
       prefetch_panel(w, stride, p, p1);
       dequantize_panel<BITS, G>(ctx, w, n0, panel.data(), scratch.data());
       int64_t m0 = 0;
-      for (; m0 + PANEL_MR <= M; m0 += PANEL_MR) panel_rows<PANEL_MR>(panel.data(), ctx.xb, K, N, m0, n0, ctx.out);
+      for (; m0 + PANEL_MR <= M; m0 += PANEL_MR) panel_rows<PANEL_MR>(panel.data(), ctx.xb, K, m0, n0, ctx);
       switch (M - m0) {
-        case 7: panel_rows<7>(panel.data(), ctx.xb, K, N, m0, n0, ctx.out); break;
-        case 6: panel_rows<6>(panel.data(), ctx.xb, K, N, m0, n0, ctx.out); break;
-        case 5: panel_rows<5>(panel.data(), ctx.xb, K, N, m0, n0, ctx.out); break;
-        case 4: panel_rows<4>(panel.data(), ctx.xb, K, N, m0, n0, ctx.out); break;
-        case 3: panel_rows<3>(panel.data(), ctx.xb, K, N, m0, n0, ctx.out); break;
-        case 2: panel_rows<2>(panel.data(), ctx.xb, K, N, m0, n0, ctx.out); break;
-        case 1: panel_rows<1>(panel.data(), ctx.xb, K, N, m0, n0, ctx.out); break;
+        case 7: panel_rows<7>(panel.data(), ctx.xb, K, m0, n0, ctx); break;
+        case 6: panel_rows<6>(panel.data(), ctx.xb, K, m0, n0, ctx); break;
+        case 5: panel_rows<5>(panel.data(), ctx.xb, K, m0, n0, ctx); break;
+        case 4: panel_rows<4>(panel.data(), ctx.xb, K, m0, n0, ctx); break;
+        case 3: panel_rows<3>(panel.data(), ctx.xb, K, m0, n0, ctx); break;
+        case 2: panel_rows<2>(panel.data(), ctx.xb, K, m0, n0, ctx); break;
+        case 1: panel_rows<1>(panel.data(), ctx.xb, K, m0, n0, ctx); break;
         default: break;
       }
     }
@@ -1207,10 +1225,136 @@ void gemm_amx(const Ctx& ctx, const uint8_t* w, int64_t M) {
           }
           const int64_t mb = m0 + 16 * (t / 2), nb = n0 + 16 * (t % 2);
           for (int64_t i = 0; i < 16 && mb + i < M; ++i)
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(ctx.out + (mb + i) * N + nb),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c + 16 * i)));
+            store16(ctx, mb + i, nb, _mm512_load_ps(c + 16 * i));
         }
       }
+    }
+    _tile_release();
+  });
+}
+
+// Few rows of an interleaved weight on AMX, exact (every type). A group of a tile's 16 rows is
+// decoded as tile_x16 decodes it (each nibble position of a unit a vector of 16 rows' input pairs,
+// the codes as the bf16 numbers 128 + u; 8 bits: 128 + lo and 2048 + 16 hi) and those vectors,
+// stored in order, are an AMX B tile of G / 2 rows: lane l is weight row l, vector r the pair of
+// inputs r (8 bits: two B tiles of 16, vector r the pair r / 2, which x enters twice, side by
+// side). One tdpbf16ps multiplies it by up to 16 x rows (the A tile, the group's G inputs straight
+// from x), summing the exact products in fp32; the C tile then
+// leaves for memory, where each x row's sums are scaled per weight row as in tile_x16 (sum times
+// the scales, plus (offset - 128 scale) times x's group sum). A row's arithmetic does not depend
+// on the other rows of the call (2 to 16 rows here: one row runs tile_x16, see gemm_format).
+// Where the vdpbf16ps kernel costs a multiply per x row and code pair, this costs one tile product
+// for all rows: the decode and the scaling per group are what grows with the rows.
+// C tile CT (zeroed first) = A . B for one group: A (tile 1; 8 bits also tile 2, the second 16
+// pairs) x rows from xg, x_bytes apart; B (tile 3; 8 bits also 4) the decoded group at bg. A
+// macro: the tile intrinsics take their tile numbers as literals (GCC pastes them into the asm).
+#define PAGED_TILE_PRODUCT(CT, BT, xg, x_bytes, bg) \
+  do {                                               \
+    _tile_zero(CT);                                  \
+    _tile_loadd(1, xg, x_bytes);                     \
+    _tile_loadd(3, bg, 64);                          \
+    _tile_dpbf16ps(CT, 1, 3);                        \
+    if constexpr (BT == 2) {                         \
+      _tile_loadd(2, (xg) + 32, x_bytes);            \
+      _tile_loadd(4, (bg) + 256, 64);                \
+      _tile_dpbf16ps(CT, 2, 4);                      \
+    }                                                \
+  } while (false)
+
+template <int BITS, int G>
+void tile_x16_amx(const uint8_t* w, const Ctx& ctx, const X16::Layout& L, int64_t t, int64_t m0, int mr,
+                  const uint16_t* xa, int64_t xa_stride) {
+  constexpr int UNITS = BITS == 8 ? 8 : G / 8;  // units per group (a unit: 4 inputs of 8 bits, else 8)
+  constexpr int BT = BITS == 8 ? 2 : 1;     // B tiles per group
+  constexpr int MASK_BYTES = BITS == 5 || BITS == 6 ? 16 * (BITS - 4) : 0;
+  const int64_t K = ctx.K, groups = K / G;
+  const uint8_t* tile = L.tile(w, t);
+  const uint8_t* ahead = t + 1 < ctx.N / X16::ROWS ? L.tile(w, t + 1) : nullptr;
+  const int64_t second_field = L.two_level ? L.o_apart : L.dm_apart;
+  alignas(64) uint32_t b[3][BT * 256];  // decoded groups (three in flight, below)
+  alignas(64) float c[16 * 16];
+  alignas(64) float res[16][16];
+  for (int m = 0; m < mr; ++m) _mm512_store_ps(res[m], _mm512_setzero_ps());
+  auto decode = [&](int64_t g, uint32_t* dst) {
+    for (int u = 0; u < UNITS; ++u) {
+      const int64_t j = UNITS * g + u;
+      if (ahead != nullptr) {
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * j), _MM_HINT_T1);
+        if (MASK_BYTES > 0 && MASK_BYTES * j % 64 == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(L.high_bits(ahead, j)), _MM_HINT_T1);
+      }
+      __m512i n[4];
+      X16::decode_unit<BITS>(tile, L, j, n);
+      for (int q = 0; q < 4; ++q) _mm512_store_si512(dst + 16 * (4 * u + q), n[q]);
+    }
+  };
+  // group g + 1's product is issued before g's sums are read back, into the other C tile (0 or 5),
+  // and g + 2 is decoded before it: a tile load does not wait on stores just made, a tile store on
+  // the product just issued
+  auto product = [&](int64_t g) {
+    const uint16_t* xg = xa + m0 * xa_stride + BT * G * g;
+    if (g % 2 == 0) PAGED_TILE_PRODUCT(0, BT, xg, xa_stride * 2, b[g % 3]);
+    else PAGED_TILE_PRODUCT(5, BT, xg, xa_stride * 2, b[g % 3]);
+  };
+  decode(0, b[0]);
+  if (groups > 1) decode(1, b[1]);
+  product(0);
+  for (int64_t g = 0; g < groups; ++g) {
+    if (g + 2 < groups) decode(g + 2, b[(g + 2) % 3]);
+    if (g + 1 < groups) product(g + 1);
+    if (g % 2 == 0) _tile_stored(0, c, 64);
+    else _tile_stored(5, c, 64);
+    if (ahead != nullptr) {
+      const uint8_t* at = L.group_fields(ahead, g);
+      _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(at + second_field), _MM_HINT_T1);
+      if (L.two_level && g * G % 256 == 0) {
+        const uint8_t* sup = L.super_fields(ahead, g);
+        _mm_prefetch(reinterpret_cast<const char*>(sup), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(sup + L.dm_apart), _MM_HINT_T1);
+      }
+    }
+    __m512 scale, offset;
+    X16::group_scales(tile, L, g, scale, offset);
+    const __m512 lifted = _mm512_fmadd_ps(scale, _mm512_set1_ps(BITS == 8 ? -2176.f : -128.f), offset);
+    for (int m = 0; m < mr; ++m) {
+      const __m512 r = _mm512_fmadd_ps(_mm512_load_ps(c + 16 * m), scale, _mm512_load_ps(res[m]));
+      _mm512_store_ps(res[m], _mm512_fmadd_ps(lifted, _mm512_set1_ps(ctx.xs[(m0 + m) * groups + g]), r));
+    }
+  }
+  for (int m = 0; m < mr; ++m)
+    store16(ctx, m0 + m, X16::ROWS * t, _mm512_load_ps(res[m]));
+}
+
+template <int BITS, int G>
+void gemm_rows_x16_amx(const Ctx& ctx, const uint8_t* w, int64_t M) {
+  const X16::Layout L(ctx.K, ctx.f);
+  const int64_t K = ctx.K;
+  // 8 bits: x's pairs each twice, side by side (the low and the high nibble vectors of a pair)
+  std::vector<uint32_t> doubled(BITS == 8 ? M * K : 0);
+  if constexpr (BITS == 8)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t p = 0; p < K / 2; ++p) {
+        uint32_t pair;
+        std::memcpy(&pair, ctx.xb + m * K + 2 * p, 4);
+        doubled[m * K + 2 * p] = doubled[m * K + 2 * p + 1] = pair;
+      }
+  const uint16_t* xa = BITS == 8 ? reinterpret_cast<const uint16_t*>(doubled.data()) : ctx.xb;
+  const int64_t xa_stride = BITS == 8 ? 2 * K : K;  // bf16 elements per x row
+  at::parallel_for(0, ctx.N / X16::ROWS, 1, [&](int64_t t0, int64_t t1) {
+    int64_t next = t0 * L.tile_bytes;
+    prefetch_until(w, next, std::min(t1, t0 + 1) * L.tile_bytes);
+    for (int64_t m0 = 0; m0 < M; m0 += 16) {
+      const int mr = int(std::min<int64_t>(16, M - m0));
+      TileConfig cfg{};
+      cfg.palette = 1;
+      // C; A (8 bits: two, each of 16 of the doubled pairs); B (8 bits: two), a row per pair of A
+      cfg.rows[0] = uint8_t(mr), cfg.colsb[0] = 64;
+      for (int i : {1, 2}) cfg.rows[i] = uint8_t(mr), cfg.colsb[i] = BITS == 8 ? 64 : 2 * G;
+      for (int i : {3, 4}) cfg.rows[i] = BITS == 8 ? 16 : G / 2, cfg.colsb[i] = 64;
+      cfg.rows[5] = uint8_t(mr), cfg.colsb[5] = 64;  // the second C
+      _tile_loadconfig(&cfg);
+      for (int64_t t = t0; t < t1; ++t) tile_x16_amx<BITS, G>(w, ctx, L, t, m0, mr, xa, xa_stride);
     }
     _tile_release();
   });
@@ -1228,6 +1372,12 @@ void gemm_format(const Ctx& ctx, const uint8_t* w, int64_t M, bool many) {
 #endif
     return gemm_panel<BITS, G>(ctx, w, M);
   }
+#ifdef PAGED_GGUF_AMX
+  // one x row (a decode step) stays on vdpbf16ps: on tiles its step was 13-17% slower end to end
+  // (groups of 16 inputs ~20% slower in the kernel alone, groups of 32 level there); from 2 rows on tiles
+  if (ctx.f.interleaved && amx_few_rows.load(std::memory_order_relaxed) && amx_available() && M >= 2)
+    return gemm_rows_x16_amx<BITS, G>(ctx, w, M);
+#endif
   if (ctx.f.interleaved) return gemm_rows_x16<BITS, G>(ctx, w, M);
   gemm_rows<BITS, G>(ctx, w, M);
 }
@@ -1285,8 +1435,8 @@ void quantize_x(const uint16_t* xb, int64_t M, int64_t K, int8_t* xq, float* dx)
 
 // x [M, K] bfloat16 times packed [N, row_bytes] -> [M, N] bfloat16; from many_min_rows rows on, AMX
 // tiles (gemm_amx) or, without AMX, AVX-512 panels (gemm_panel; gemm_panel_int8 with int8_panels)
-at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t bits, int64_t group, int64_t super_block,
-                int64_t many_min_rows, bool int8_activations, bool int8_panels, int64_t interleave) {
+at::Tensor gemm_into(const at::Tensor& x_in, const at::Tensor& packed, int64_t bits, int64_t group, int64_t super_block,
+                     int64_t many_min_rows, bool int8_activations, bool int8_panels, int64_t interleave, bool float_out) {
   const Format f = format_of(bits, group, super_block, interleave);
   TORCH_CHECK(!f.interleaved || !(int8_activations || int8_panels),
               "gguf_gemm: int8 activations read the row layout (interleave 1), not interleave ", interleave);
@@ -1295,7 +1445,7 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t bits, 
   const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
   check(packed, K, f, "gguf_gemm");
-  at::Tensor out = at::empty({M, N}, x.options());
+  at::Tensor out = at::empty({M, N}, float_out ? x.options().dtype(at::kFloat) : x.options());
 #ifdef PAGED_GGUF_AVX512
   if (M == 0 || N == 0) return out;
   const int64_t groups = K / f.group;
@@ -1337,12 +1487,25 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t bits, 
   std::vector<uint16_t> xw(words ? M * K : 0);
   if (words && f.bits == 4) word_order_x<4>(xb, M, K, xw.data());
   if (words && f.bits == 8) word_order_x<8>(xb, M, K, xw.data());
-  const Ctx ctx{K, N, f, xb, xs.data(), reinterpret_cast<uint16_t*>(out.data_ptr()), int8 ? xq.data() : nullptr,
-                xql.data(), panels8 ? dx.data() : nullptr, f.row_bytes(K), words ? xw.data() : nullptr};
+  const Ctx ctx{K, N, f, xb, xs.data(), float_out ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr()), int8 ? xq.data() : nullptr,
+                xql.data(), panels8 ? dx.data() : nullptr, f.row_bytes(K), words ? xw.data() : nullptr, float_out ? out.data_ptr<float>() : nullptr};
   const uint8_t* w = packed.data_ptr<uint8_t>();
   dispatch(f, [&](auto b, auto g) { gemm_format<decltype(b)::value, decltype(g)::value>(ctx, w, M, many); });
 #endif
   return out;
+}
+
+// x [M, K] bfloat16 times packed -> [M, N] bfloat16 (the layers)
+at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t group, int64_t super_block,
+                int64_t many_min_rows, bool int8_activations, bool int8_panels, int64_t interleave) {
+  return gemm_into(x, packed, bits, group, super_block, many_min_rows, int8_activations, int8_panels, interleave, false);
+}
+
+// the same -> [M, N] float32: the LM head's logits as the fp32 sums give them, not rounded to
+// bf16 (whose step at a logit of 25 is 0.125: near-ties became exact ties, won by the lower id)
+at::Tensor gemm_f32(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t group, int64_t super_block,
+                    int64_t many_min_rows, bool int8_activations, bool int8_panels, int64_t interleave) {
+  return gemm_into(x, packed, bits, group, super_block, many_min_rows, int8_activations, int8_panels, interleave, true);
 }
 
 // rows ids of the weight, dequantized -> [T, K] bfloat16 (the embedding table)
@@ -1379,6 +1542,7 @@ at::Tensor dequantize_rows(const at::Tensor& packed, const at::Tensor& ids_in, i
 
 bool kernels_available() { return available(); }
 bool kernels_amx() { return amx_available(); }
+bool set_amx_few_rows(bool on) { return amx_few_rows.exchange(on); }
 bool kernels_int8_activations() {
 #ifdef __AVX512VNNI__
   return available();
@@ -1391,11 +1555,13 @@ bool kernels_int8_activations() {
 
 TORCH_LIBRARY(paged_gguf, m) {  // CPU kernels below; fakes in Python
   m.def("gemm(Tensor x, Tensor packed, int bits, int group, int super_block, int many_min_rows, bool int8_activations, bool int8_panels, int interleave) -> Tensor");
+  m.def("gemm_f32(Tensor x, Tensor packed, int bits, int group, int super_block, int many_min_rows, bool int8_activations, bool int8_panels, int interleave) -> Tensor");
   m.def("dequantize_rows(Tensor packed, Tensor ids, int K, int bits, int group, int super_block, int interleave) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(paged_gguf, CPU, m) {
   m.impl("gemm", &gemm);
+  m.impl("gemm_f32", &gemm_f32);
   m.impl("dequantize_rows", &dequantize_rows);
 }
 
@@ -1405,10 +1571,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {  // eager calls without the dispatche
   m.def("gemm", &gemm, py::arg("x"), py::arg("packed"), py::arg("bits"), py::arg("group"), py::arg("super_block"),
         py::arg("many_min_rows"), py::arg("int8_activations"), py::arg("int8_panels"), py::arg("interleave"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("gemm_f32", &gemm_f32, py::arg("x"), py::arg("packed"), py::arg("bits"), py::arg("group"), py::arg("super_block"),
+        py::arg("many_min_rows"), py::arg("int8_activations"), py::arg("int8_panels"), py::arg("interleave"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("dequantize_rows", &dequantize_rows, py::arg("packed"), py::arg("ids"), py::arg("K"), py::arg("bits"),
         py::arg("group"), py::arg("super_block"), py::arg("interleave"), py::call_guard<py::gil_scoped_release>());
   m.def("available", &kernels_available);
   m.def("amx_available", &kernels_amx);
+  m.def("set_amx_few_rows", &set_amx_few_rows, py::arg("on"),
+        "few rows of interleaved weights on AMX tiles (the default where the CPU has AMX) or, off, with vdpbf16ps; "
+        "returns the previous setting (for benchmarks and tests: it holds for the whole process)");
   m.def("int8_activations_available", &kernels_int8_activations);
   // gemm's C++ function for other native code (paged.models.cpu_layer_ops' DecoderPlan), without Python between
   m.attr("gemm_capsule") = py::capsule(reinterpret_cast<void*>(&gemm), "paged.gguf.gemm");

@@ -58,6 +58,19 @@ it without a transpose (each unit's pair of inputs is already a B-tile row). Exa
 layout, in its own order of sums (the same for every number of x rows). The int8 paths read the
 row layout only.
 
+On CPUs with AMX, 2 or more x rows of the interleaved layout run on AMX tiles, still on the exact
+codes (``gemm_rows_x16_amx``): a group's decoded vectors (as above: lane l weight row l, one input
+pair, the codes as ``128 + u``) stored in order are a B tile of G / 2 rows, x's G inputs of up to
+16 rows straight from memory the A tile, and one ``tdpbf16ps`` sums the exact products of every
+x row in fp32; the C tile is read back per group and scaled as above. Where ``vdpbf16ps`` costs a
+multiply per x row and input pair, this costs one tile product for all of them (30 layers of the
+default model's shapes, 2-core Xeon: Q4_1 5 rows 7.47 -> 4.49 ms, 8 rows 12.5 -> 5.4, 16 rows
+23.8 -> 6.4, where the dequantized tiles below take 11; Q8_0 5 rows 12.6 -> 7.3; Q6_K 5 rows 16.1
+-> 10.6). One x row stays on ``vdpbf16ps``: a decode step on tiles was 13-17% slower end to end.
+So on AMX CPUs one row and a batch of rows sum in different orders (both exact products, fp32
+sums): an x row has the same bits in every batch of 2 to 16 rows, not alone. ``set_amx_few_rows
+(False)`` turns the tiles off for the whole process (benchmarks compare the two with it).
+
 For many rows (prefill, large batches) on CPUs with AMX: 32 weight rows at a time are
 dequantized to bfloat16 into AMX's B layout (pairs of inputs): their codes transposed in
 registers as bytes (a vector holds 4 inputs of 16 rows; 4-bit codes transposed as stored, 8 inputs
@@ -69,8 +82,9 @@ faster up to 32 rows, 10-20% slower from 128, the output transposes; not kept.) 
 same panels (32 weight rows as bf16, in the B tiles' pair layout) feed a register-blocked
 ``vdpbf16ps`` kernel: per input pair, the panel's two vectors times a broadcast of 8 x rows'
 pair, into 16 fp32 accumulators; the same weights rounded once as on AMX, then fp32 sums. The
-call's ``many_min_rows`` (the ``gguf`` method's ``amx_min_rows`` on AMX CPUs, its
-``panel_min_rows`` elsewhere; 0 = never) is where the many-rows path starts.
+call's ``many_min_rows`` (the ``gguf`` method's ``amx_min_rows`` on AMX CPUs, by default 20-28 (by
+code width) for the interleaved layout and 6 for the row layout, its ``panel_min_rows`` elsewhere; 0 = never) is
+where the many-rows path starts.
 
 With ``int8_panels`` (CPUs with AVX-512 VNNI and without AMX) the many-rows path quantizes x as
 ``int8_activations`` does (per 32 inputs) and keeps a panel's codes as bytes, transposed so that
@@ -131,6 +145,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("paged_gguf::gemm")
     def _fake_gemm(x, packed, bits, group, super_block, many_min_rows, int8_activations, int8_panels, interleave):
         return x.new_empty(x.shape[0], packed.shape[0])
+
+    @torch.library.register_fake("paged_gguf::gemm_f32")
+    def _fake_gemm_f32(x, packed, bits, group, super_block, many_min_rows, int8_activations, int8_panels, interleave):
+        return x.new_empty(x.shape[0], packed.shape[0], dtype=torch.float32)
 
     @torch.library.register_fake("paged_gguf::dequantize_rows")
     def _fake_rows(packed, ids, K, bits, group, super_block, interleave):
@@ -258,6 +276,12 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, fmt: tuple[int, int, int], many_
     ``interleave``: 1 for the row layout, ``X16_ROWS`` for the interleaved one (``fmt`` does not say
     which; the packed bytes have the same size either way, so a wrong value is not detected)."""
     return torch.ops.paged_gguf.gemm(x, packed, *fmt, many_min_rows, int8_activations, int8_panels, interleave)
+
+
+def gemm_f32(x: torch.Tensor, packed: torch.Tensor, fmt: tuple[int, int, int], many_min_rows: int,
+             int8_activations: bool, int8_panels: bool, interleave: int) -> torch.Tensor:
+    """``gemm`` with float32 outputs, the fp32 sums not rounded to bfloat16 (the LM head's logits)."""
+    return torch.ops.paged_gguf.gemm_f32(x, packed, *fmt, many_min_rows, int8_activations, int8_panels, interleave)
 
 
 def dequantize_rows(packed: torch.Tensor, ids: torch.Tensor, k: int, fmt: tuple[int, int, int],

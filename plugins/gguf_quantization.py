@@ -4,7 +4,7 @@ with no dense copy (``paged.plugins.gguf_kernels`` has the layout and the kernel
 
 Each weight holds its codes and two-level scales as the file does (2- and 3-bit codes widened to
 4): resident weights are 1.0-1.12x the file's bytes for the 4- to 8-bit types. Few rows (decode)
-run the exact ``vdpbf16ps`` kernel (or, with ``int8_activations``, x quantized to int8 per 32
+run the exact ``vdpbf16ps`` kernel, on CPUs with AMX from 2 rows the exact codes on AMX tiles (or, with ``int8_activations``, x quantized to int8 per 32
 inputs and ``vpdpbusd``, as llama.cpp does: faster, less exact); from ``amx_min_rows`` rows on, CPUs with AMX dequantize 32 weight
 rows at a time into bfloat16 tiles, and from ``panel_min_rows`` rows on CPUs without AMX into
 bfloat16 panels for a register-blocked ``vdpbf16ps`` kernel (with ``int8_panels``, int8 codes and
@@ -29,12 +29,25 @@ from paged.plugins import gguf_kernels
 logger = logging.getLogger(__name__)
 
 
+# CPUs with AMX, from how many rows the dequantized bf16 tiles beat the few-rows kernels, by the
+# bits a code is held in (benchmarks/gguf_gemm.py, 2-core Xeon, 2026-12-06: the interleaved
+# layout's tiles of exact codes against the dequantized tiles at 16 / 24 / 32 rows, Q8_0 11.1 /
+# 17.1 / 19.1 ms against 12.4 / 14.0 / 13.3, Q6_K 15.3 / 25.0 / 28.6 against 21.4 / 24.3 / 21.6,
+# Q4_1 7.1 / 10.4 / 12.2 against 10.4 / 11.9 / 11.4, Q4_K 10.3 / 16.1 / 18.2 against 17.4 / 21.1
+# / 18.3); the row layout's vdpbf16ps kernel is level with the dequantized tiles at 5-8 rows
+AMX_MIN_ROWS_INTERLEAVED = {4: 28, 5: 28, 6: 24, 8: 20}
+AMX_MIN_ROWS_ROW_LAYOUT = 6
+
+
 class GGUFOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    amx_min_rows: int = Field(
-        6, ge=0, description="batches of at least this many rows use AMX tiles (CPUs with AMX; 0 = never): "
-        "benchmarks/gguf_gemm.py measures the crossing, 5-8 rows on the 2-core Xeon",
+    amx_min_rows: int | None = Field(
+        None, ge=0, description="CPUs with AMX: batches of at least this many rows dequantize 32 weight rows at a "
+        "time to bfloat16 AMX tiles (0 = never); fewer rows multiply the exact codes, on AMX tiles for the "
+        "interleaved layout. None = as measured by benchmarks/gguf_gemm.py on the 2-core Xeon: for the "
+        "interleaved layout 20 (8-bit codes), 24 (6-bit), 28 (4- and 5-bit), where its few-rows tiles stop "
+        "winning; 6 for the row layout (vdpbf16ps: 5-8)",
     )
     panel_min_rows: int = Field(
         16, ge=0, description="on CPUs without AMX, batches of at least this many rows dequantize 32 weight rows at "
@@ -102,7 +115,9 @@ class GGUFWeight:
         self.kernels = gguf_kernels.load() if options.kernel else None
         # the kernel's many-rows path from this many rows on: AMX tiles where the CPU has them, else panels
         amx = self.kernels is not None and self.kernels.amx_available()
-        self.many_min_rows = options.amx_min_rows if amx else options.panel_min_rows
+        self.amx = amx
+        self.amx_min_rows = options.amx_min_rows
+        self.many_min_rows = self._many_min_rows(interleaved=False) if amx else options.panel_min_rows
         if options.int8_panels and (self.kernels is None or amx or not self.kernels.int8_activations_available()):
             _warn_once("gguf: int8_panels changes nothing here: it needs the GGUF kernels on a CPU with AVX-512 VNNI "
                        "and without AMX (many rows run the bfloat16 panels, or AMX tiles)")
@@ -121,6 +136,8 @@ class GGUFWeight:
                 self.packed, self.fmt = gguf_kernels.pack(scales, weight, interleave=self.wants_interleave)
                 if self.wants_interleave and gguf_kernels.interleavable(self.shape[0], *self.fmt):
                     self.interleave = gguf_kernels.X16_ROWS
+                    if self.amx:
+                        self.many_min_rows = self._many_min_rows(interleaved=True)
                 return self
             except ValueError:
                 pass  # scales the layout cannot hold exactly (a float16 overflow): the torch form below
@@ -133,6 +150,15 @@ class GGUFWeight:
         self.codes, self.scale, self.offset = codes.to(torch.uint8), scales.scale.float(), offset.float()
         self.fmt = (scales.bits, scales.block, scales.super_block or scales.block)
         return self
+
+    def _many_min_rows(self, interleaved: bool) -> int:
+        """AMX CPUs: from how many rows the dequantized tiles run (``amx_min_rows``, or its
+        measured default for the layout)."""
+        if self.amx_min_rows is not None:
+            return self.amx_min_rows
+        if not interleaved:
+            return AMX_MIN_ROWS_ROW_LAYOUT
+        return AMX_MIN_ROWS_INTERLEAVED[gguf_kernels.held_bits(self.fmt[0])]
 
     # ---- the products ----
 
@@ -150,6 +176,18 @@ class GGUFWeight:
         else:
             out = torch.nn.functional.linear(x, self.dequantize().to(x.dtype))
         return out if bias is None else out + bias
+
+    def linear_float(self, x: torch.Tensor) -> torch.Tensor:
+        """``x W^T`` in float32 (the LM head: logits as the kernel's fp32 sums give them; rounded
+        to bfloat16, whose step at a logit of 25 is 0.125, near-ties became exact ties)."""
+        if self.packed is None:
+            return self.linear(x, None).float()
+        xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+        if torch.compiler.is_compiling():
+            return gguf_kernels.gemm_f32(xb, self.packed, self.fmt, self.many_min_rows, self.int8_activations,
+                                         self.int8_panels, self.interleave)
+        return self.kernels.gemm_f32(xb, self.packed, *self.fmt, self.many_min_rows, self.int8_activations,
+                                     self.int8_panels, self.interleave)
 
     def native_gemm(self) -> tuple[Any, list[tuple]] | None:
         """For native callers that run ``linear`` without Python (``cpu_layer_ops.DecoderPlan``):
@@ -212,6 +250,8 @@ class GGUFWeight:
             if self.interleave != wanted:
                 return None  # packed in the other layout than these options ask for: pack again
             self.packed = tensors["packed"]
+            if self.amx and self.interleave == gguf_kernels.X16_ROWS:
+                self.many_min_rows = self._many_min_rows(interleaved=True)
         else:
             if self.kernels is not None and self.dtype == torch.bfloat16:
                 return None  # stored in the torch form, but the kernels can run here: pack again

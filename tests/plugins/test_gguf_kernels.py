@@ -67,6 +67,12 @@ def test_products_match_float64_with_gguf_weights(kind, tail):
         # which is the weights rounded to bf16 once, then fp32 sums and one rounding of each output
         assert _relative_error(many.linear(x, None), x.double() @ exact.bfloat16().double().T) < 5e-3, m
         assert _relative_error(interleaved[0].linear(x, None), ref) < 1e-2, m
+        if KERNELS.amx_available():  # the few rows of the interleaved layout with vdpbf16ps, not AMX tiles
+            before = KERNELS.set_amx_few_rows(False)
+            try:
+                assert _relative_error(interleaved[0].linear(x, None), ref) < 1e-2, m
+            finally:
+                KERNELS.set_amx_few_rows(before)
         assert _relative_error(interleaved[1].linear(x, None), x.double() @ exact.bfloat16().double().T) < 5e-3, m
         # with int8_panels (CPUs with VNNI, not AMX): x rounded to int8 per 32 inputs, as the few-rows int8 path
         assert _relative_error(many8.linear(x, None), ref) < (3e-2 if KERNELS.int8_activations_available() else 1e-2), m
@@ -82,7 +88,10 @@ def test_few_rows_give_an_x_row_the_same_bits_in_any_batch(kind, tail):
     """The few-rows path sums each output in the same order whatever the number of x rows and the
     weight rows' tile: a decode step (1 row) and a speculative verification (k + 1 rows) give one
     token the same logits, so greedy outputs do not depend on the batch. (512 inputs: 4- and 8-bit
-    codes in the codes' word order, tile_words; 576: 4-bit codes per chunk, tile.)"""
+    codes in the codes' word order, tile_words; 576: 4-bit codes per chunk, tile.) On AMX CPUs the
+    interleaved layout's few rows run on tiles from 2 x rows on and one x row with vdpbf16ps (a
+    decode step is faster that way): there the same bits hold from 2 rows on."""
+    tiles_from_two_rows = KERNELS.amx_available()
     # 37 rows: tiles of 4 weight rows and a tail (the row layout); 144: the interleaved layout (every
     # type, without int8), 9 tiles of 16 (one x row takes four tiles at a time, 2-5 x rows two, 6-8
     # one: with one or two threads every group size and a tail)
@@ -92,9 +101,40 @@ def test_few_rows_give_an_x_row_the_same_bits_in_any_batch(kind, tail):
             w = quantize_gguf(exact.bfloat16(), scales, GGUFOptions(amx_min_rows=0, panel_min_rows=0, int8_activations=int8,
                                                                     interleave_types=gguf_kernels.INTERLEAVABLE_TYPES))
             x = torch.randn(11, exact.shape[1], generator=torch.Generator().manual_seed(6)).bfloat16()
-            alone = torch.cat([w.linear(x[i : i + 1], None) for i in range(11)])
+            if tiles_from_two_rows and w.interleave == gguf_kernels.X16_ROWS:  # each row beside a copy of itself
+                alone = torch.cat([w.linear(x[i : i + 1].repeat(2, 1), None)[:1] for i in range(11)])
+            else:
+                alone = torch.cat([w.linear(x[i : i + 1], None) for i in range(11)])
             for m in (2, 3, 4, 5, 6, 8, 11):  # every tiling of the x rows, and passes of 8 plus a tail
                 assert torch.equal(w.linear(x[:m], None), alone[:m]), (n, int8, m)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q4_k", "q6_k"])
+def test_float_outputs_are_the_sums_before_their_bfloat16_rounding(kind):
+    """``linear_float`` (the LM head's logits) returns the kernels' fp32 sums: rounded to bf16 they
+    are ``linear``'s outputs bit for bit, on every path (the row and the interleaved layout, few
+    rows with vdpbf16ps or AMX tiles, int8 activations, the many-rows path), and the exact paths
+    are within fp32 rounding of a float64 product, where bf16 outputs are only within ~1e-2."""
+    exact, scales = _weight(kind, n=144, k=_tail_k(kind), seed=9)
+    cases = {  # name: options, and for the exact paths the float64 product's tolerance
+        "rows": (GGUFOptions(amx_min_rows=0, panel_min_rows=0, interleave_types=()), 1e-5),
+        "interleaved": (GGUFOptions(amx_min_rows=0, panel_min_rows=0), 1e-5),
+        "int8": (GGUFOptions(amx_min_rows=0, panel_min_rows=0, int8_activations=True), None),
+        "many": (GGUFOptions(amx_min_rows=1, panel_min_rows=1), None),  # weights rounded to bf16
+    }
+    gen = torch.Generator().manual_seed(10)
+    for name, (options, tolerance) in cases.items():
+        w = quantize_gguf(exact.bfloat16(), scales, options)
+        for m in (1, 2, 5, 17):
+            x = torch.randn(m, exact.shape[1], generator=gen).bfloat16()
+            sums = w.linear_float(x)
+            assert sums.dtype == torch.float32, name
+            assert torch.equal(sums.bfloat16(), w.linear(x, None)), (name, m)
+            if tolerance is not None:
+                ref = x.double() @ exact.double().T
+                assert _relative_error(sums, ref) < tolerance, (name, m)
+                assert not torch.equal(sums, sums.bfloat16().float()), (name, m)  # not rounded to bf16
 
 
 @needs_kernels
