@@ -21,6 +21,8 @@ namespace {
 // Positions per online-softmax step: the accumulator is rescaled once per tile, and a KV head's
 // tile rows (TILE x D each for K and V) stay in L1/L2 while the G query heads of its group use them.
 constexpr int64_t TILE = 64;
+// split-KV runs (paged_decode_impl): RUN_TILES tiles from each multiple of RUN positions
+constexpr int64_t RUN_TILES = 2, RUN = RUN_TILES * TILE;
 inline float hsum(vec a) {  // halving tree, not a serial chain of 16 adds
 #if defined(__clang__) || __GNUC__ >= 12
   typedef float v8 __attribute__((vector_size(32)));
@@ -447,12 +449,23 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   for (int64_t b = 0; groups != nullptr && b < B; ++b) max_rows = std::max<int64_t>(max_rows, groups[b + 1] - groups[b]);
   const int64_t QS = max_rows * QH;  // softmax states per item
   // Split-KV: with fewer items than two per thread (batch 1: one per KV head, 3 for 2 threads
-  // here), each item's positions are cut into `splits` runs of whole tiles, computed as separate
-  // work units, and their softmax states (max, sum, accumulator) merged at the end.
+  // here), each item's positions are cut into runs of RUN_TILES tiles, computed as separate work
+  // units, and their softmax states (max, sum, accumulator) merged at the end in run order. Runs
+  // and tiles start at fixed positions (multiples of RUN and TILE), not at the item's first
+  // position or by its length: a verification's row cuts its positions as the decode of that row
+  // does, and so gets the same bits (runs past a row's positions are empty, and skipped).
   const int64_t num_threads = at::get_num_threads();
-  const int64_t splits = items < 2 * num_threads ? (2 * num_threads + items - 1) / items : 1;
-  const int64_t units = items * splits;
-  std::vector<float> partial(splits > 1 ? units * QS * (D + 2) : 0);  // per unit and query state: m, l, acc[D]
+  const bool split = items < 2 * num_threads;
+  std::vector<int64_t> unit_item, unit_run, item_units(items + 1, 0);  // split: units per item, in run order
+  for (int64_t item = 0; split && item < items; ++item) {
+    const int64_t b = item / items_per_req;
+    const int64_t r0 = groups != nullptr ? groups[b] : b, nr = groups != nullptr ? groups[b + 1] - r0 : 1;
+    const int64_t len = lens[r0 + nr - 1], lo = window > 0 ? std::max<int64_t>(0, lens[r0] - window) : 0;
+    for (int64_t run = lo / RUN; run * RUN < len; ++run) unit_item.push_back(item), unit_run.push_back(run);
+    item_units[item + 1] = static_cast<int64_t>(unit_item.size());
+  }
+  const int64_t units = split ? static_cast<int64_t>(unit_item.size()) : items;
+  std::vector<float> partial(split ? units * QS * (D + 2) : 0);  // per unit and query state: m, l, acc[D]
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, units)));
   // bf16 with AVX512-BF16 and a head dim of 64 or 128: the KV head's states in lanes (above)
   constexpr bool lanes = HAVE_LANES && std::is_same_v<T, c10::BFloat16> && (HEAD_DIM == 64 || HEAD_DIM == 128);
@@ -472,7 +485,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
     std::vector<float> sp(lanes ? TILE * LANES : 0);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t unit = 0; unit < units; ++unit) {
-      const int64_t item = unit / splits, split = unit % splits;
+      const int64_t item = split ? unit_item[unit] : unit;
       // query rows r0 .. r0 + nr - 1; state r * QH + i is row r0 + r's query head h0 * G + i,
       // which uses KV head h0 + i / G
       const int64_t b = item / items_per_req, h0 = item % items_per_req * heads_per_item;
@@ -505,11 +518,11 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
       std::fill(m.begin(), m.begin() + ns, -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.begin() + ns, 0.f);
       // the positions attended: lo .. len - 1 (all of them without a window), from the first
-      // row's window start; row r sees lo_r .. lens[r0 + r] - 1 of them
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, lens[r0] - window) : 0, span = len - lo;
-      const int64_t tiles_per_split = ((span + TILE - 1) / TILE + splits - 1) / splits;
-      const int64_t first = lo + std::min(span, split * tiles_per_split * TILE);
-      const int64_t last = lo + std::min(span, (split + 1) * tiles_per_split * TILE);
+      // row's window start; row r sees lo_r .. lens[r0 + r] - 1 of them. Tiles from a multiple of
+      // TILE (positions before lo_r masked), this unit's run's only where split.
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, lens[r0] - window) : 0;
+      const int64_t first = split ? std::max(unit_run[unit] * RUN, lo / TILE * TILE) : lo / TILE * TILE;
+      const int64_t last = split ? std::min(len, (unit_run[unit] + 1) * RUN) : len;
       for (int64_t start = first; start < last; start += TILE) {
         const int64_t n = std::min(TILE, last - start);
         // cache row of each position of this tile and the next, through the block table (the
@@ -624,7 +637,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
         for (int64_t ci = 0; ci < num_chunks; ++ci)
           for (int j = 0; j < chunks[ci].used; ++j) m[chunks[ci].state[j]] = chunks[ci].m[j], l[chunks[ci].state[j]] = chunks[ci].l[j];
       }
-      if (splits > 1) {  // this run's softmax states, merged below
+      if (split) {  // this run's softmax states, merged below
         for (int64_t si = 0; si < ns; ++si) {
           float* dst = partial.data() + (unit * QS + si) * (D + 2);
           dst[0] = m[si];
@@ -639,7 +652,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
         for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[si * D + d] * inv);
       }
     }
-    if (splits > 1) {  // after the loop's barrier: merge each item's runs (an empty run has m = -inf, l = 0)
+    if (split) {  // after the loop's barrier: merge each item's runs in order (an empty run has m = -inf, l = 0)
 #pragma omp for schedule(static)
       for (int64_t item = 0; item < items; ++item) {
         const int64_t b = item / items_per_req, h0 = item % items_per_req * heads_per_item;
@@ -647,11 +660,11 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
         for (int64_t si = 0; si < nr * QH; ++si) {
           const int64_t i = si % QH;
           float m_all = -std::numeric_limits<float>::infinity();
-          for (int64_t j = 0; j < splits; ++j) m_all = std::max(m_all, partial[((item * splits + j) * QS + si) * (D + 2)]);
+          for (int64_t j = item_units[item]; j < item_units[item + 1]; ++j) m_all = std::max(m_all, partial[(j * QS + si) * (D + 2)]);
           float l_all = 0.f;
           std::fill(acc.begin(), acc.begin() + D, 0.f);
-          for (int64_t j = 0; j < splits; ++j) {
-            const float* src = partial.data() + ((item * splits + j) * QS + si) * (D + 2);
+          for (int64_t j = item_units[item]; j < item_units[item + 1]; ++j) {
+            const float* src = partial.data() + (j * QS + si) * (D + 2);
             if (src[1] == 0.f) continue;  // an empty run
             const float w = std::exp(src[0] - m_all);
             l_all += src[1] * w;

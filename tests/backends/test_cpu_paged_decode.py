@@ -134,9 +134,10 @@ def test_strided_query_output_and_block_table(kernel):
 def test_threads_and_work_split_do_not_change_the_result(kernel):
     # 1 thread: one work item per request; 4 threads for 5 requests: one per (request, KV head).
     # Each query head is computed the same way either way: equal bit for bit. 8 threads: 15 items
-    # are fewer than 2 per thread, so each item's positions are split in two runs whose softmax
-    # states are merged (split-KV): the same values up to rounding (check: against brute force).
-    case = make_case([33, 1, 90, 16, 7], num_kv_heads=3, group=3, head_dim=64, block_size=16, dtype=torch.float32)
+    # are fewer than 2 per thread, so each item's positions are split in runs of 128 positions
+    # whose softmax states are merged (split-KV): for the request of 290 positions the same
+    # values up to rounding (check: against brute force); one run alone merges to the same bits.
+    case = make_case([33, 1, 290, 16, 7], num_kv_heads=3, group=3, head_dim=64, block_size=16, dtype=torch.float32)
     threads = torch.get_num_threads()
     results = []
     try:
@@ -152,8 +153,8 @@ def test_threads_and_work_split_do_not_change_the_result(kernel):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lens", [[1], [63], [64], [65], [500], [1000, 3]])
 def test_split_kv_for_small_batches(kernel, dtype, lens):
-    """Batch 1-2 on 2+ threads: the positions of each (request, KV head) are split in runs of whole
-    64-position tiles, some of them empty for short contexts, and merged."""
+    """Batch 1-2 on 2+ threads: the positions of each (request, KV head) are split in runs of two
+    64-position tiles from position 0, one for short contexts, and merged."""
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(max(2, threads))
@@ -304,8 +305,8 @@ def test_a_row_has_the_same_bits_alone_or_in_a_group(kernel, head_dim, window, c
     """bf16 with AVX512-BF16 puts a KV head's softmax states in the lanes of a vector (one row's 3
     heads, or a verification's 5 rows x 3 heads, or more than 16 in chunks); a lane's arithmetic
     must not depend on which states share its vector, so that a speculative verification scores a
-    row exactly as the plain decode of that row would. One thread: no split-KV, whose run
-    boundaries follow the group's longest row."""
+    row exactly as the plain decode of that row would. One thread here (no split-KV; the test
+    after this one has it)."""
     kernels = cpu_paged_decode.kernels()
     if kernels is None:
         pytest.skip("no kernel")
@@ -337,6 +338,44 @@ def test_a_row_has_the_same_bits_alone_or_in_a_group(kernel, head_dim, window, c
             v = torch.stack([v_cache[table[b, p // 16], p % 16] for p in range(n)]).double()
             want = brute_force_banded(q[row], k, v, n, window, cap, head_dim, group)
             torch.testing.assert_close(grouped[row].double(), want, atol=atol * (3 if cap else 1), rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("window", [0, 100])
+def test_split_kv_gives_a_row_the_same_bits_alone_or_in_a_group(kernel, dtype, window):
+    """One request on two threads splits its KV positions into runs (split-KV). The runs start at
+    fixed positions, not at the group's first or by its longest row, so that a verification's
+    rows (5 here, ending on either side of a run boundary, 128 positions, and of a tile, 64) get
+    the bits the decode of each row alone gets, there too."""
+    kernels = cpu_paged_decode.kernels()
+    if kernels is None:
+        pytest.skip("no kernel")
+    for context in (121, 124, 190, 317, 1021):
+        size = 5
+        _, k_cache, v_cache, table, _ = make_case([context + size], num_kv_heads=3, group=3, head_dim=64,
+                                                  block_size=16, dtype=dtype, seed=context)
+        q = torch.randn(size, 9, 64, generator=torch.Generator().manual_seed(context)).to(dtype)
+        lens = torch.tensor([context + t + 1 for t in range(size)], dtype=torch.int32)
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(2)
+            grouped = torch.empty_like(q)
+            kernels.paged_decode_grouped(q, k_cache, v_cache, table, lens, torch.tensor([0, size], dtype=torch.int32),
+                                         0.125, grouped, window, 0.0)
+            alone = torch.empty_like(q)
+            for row in range(size):
+                kernels.paged_decode(q[row : row + 1], k_cache, v_cache, table, lens[row : row + 1], 0.125,
+                                     alone[row : row + 1], window, 0.0)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(grouped, alone), context
+        atol, rtol = TOLERANCE[dtype]
+        for row in range(size):  # and both right
+            n = int(lens[row])
+            k = torch.stack([k_cache[table[0, p // 16], p % 16] for p in range(n)]).double()
+            v = torch.stack([v_cache[table[0, p // 16], p % 16] for p in range(n)]).double()
+            want = brute_force_banded(q[row], k, v, n, window, 0.0, 64, 3)
+            torch.testing.assert_close(grouped[row].double(), want, atol=atol, rtol=rtol)
 
 
 # ---- the causal prefill kernel (prefill_causal) ----------------------------------------------
