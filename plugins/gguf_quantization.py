@@ -4,7 +4,8 @@ with no dense copy (``paged.plugins.gguf_kernels`` has the layout and the kernel
 
 Each weight holds its codes and two-level scales as the file does (2- and 3-bit codes widened to
 4): resident weights are 1.0-1.12x the file's bytes for the 4- to 8-bit types. Few rows (decode)
-run the exact ``vdpbf16ps`` kernel, on CPUs with AMX from 2 rows the exact codes on AMX tiles (or, with ``int8_activations``, x quantized to int8 per 32
+run the exact ``vdpbf16ps`` kernel (on CPUs with AMX, 2 rows or more of the interleaved layout the
+same exact codes as AMX tiles; or, with ``int8_activations``, x quantized to int8 per 32
 inputs and ``vpdpbusd``, as llama.cpp does: faster, less exact); from ``amx_min_rows`` rows on, CPUs with AMX dequantize 32 weight
 rows at a time into bfloat16 tiles, and from ``panel_min_rows`` rows on CPUs without AMX into
 bfloat16 panels for a register-blocked ``vdpbf16ps`` kernel (with ``int8_panels``, int8 codes and
