@@ -454,12 +454,16 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   // and tiles start at fixed positions (multiples of RUN and TILE), not at the item's first
   // position or by its length: a verification's row cuts its positions as the decode of that row
   // does, and so gets the same bits (runs past a row's positions are empty, and skipped).
+  // an item's query rows: r0 .. r0 + nr - 1 (its request's group, or its one row)
+  auto rows_of = [&](int64_t item) {
+    const int64_t b = item / items_per_req, r0 = groups != nullptr ? groups[b] : b;
+    return std::pair<int64_t, int64_t>(r0, groups != nullptr ? groups[b + 1] - r0 : 1);
+  };
   const int64_t num_threads = at::get_num_threads();
   const bool split = items < 2 * num_threads;
   std::vector<int64_t> unit_item, unit_run, item_units(items + 1, 0);  // split: units per item, in run order
   for (int64_t item = 0; split && item < items; ++item) {
-    const int64_t b = item / items_per_req;
-    const int64_t r0 = groups != nullptr ? groups[b] : b, nr = groups != nullptr ? groups[b + 1] - r0 : 1;
+    const int64_t r0 = rows_of(item).first, nr = rows_of(item).second;
     const int64_t len = lens[r0 + nr - 1], lo = window > 0 ? std::max<int64_t>(0, lens[r0] - window) : 0;
     for (int64_t run = lo / RUN; run * RUN < len; ++run) unit_item.push_back(item), unit_run.push_back(run);
     item_units[item + 1] = static_cast<int64_t>(unit_item.size());
@@ -489,7 +493,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
       // query rows r0 .. r0 + nr - 1; state r * QH + i is row r0 + r's query head h0 * G + i,
       // which uses KV head h0 + i / G
       const int64_t b = item / items_per_req, h0 = item % items_per_req * heads_per_item;
-      const int64_t r0 = groups != nullptr ? groups[b] : b, nr = groups != nullptr ? groups[b + 1] - r0 : 1;
+      const int64_t r0 = rows_of(item).first, nr = rows_of(item).second;
       const int64_t ns = nr * QH, len = lens[r0 + nr - 1];  // the last row sees the most positions
       if constexpr (lanes) {  // KV head g's states k = 0 .. nr * G - 1 in lane k % 16 of chunk k / 16
         std::fill(qt.begin(), qt.end(), 0u);
@@ -655,8 +659,8 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
     if (split) {  // after the loop's barrier: merge each item's runs in order (an empty run has m = -inf, l = 0)
 #pragma omp for schedule(static)
       for (int64_t item = 0; item < items; ++item) {
-        const int64_t b = item / items_per_req, h0 = item % items_per_req * heads_per_item;
-        const int64_t r0 = groups != nullptr ? groups[b] : b, nr = groups != nullptr ? groups[b + 1] - r0 : 1;
+        const int64_t h0 = item % items_per_req * heads_per_item;
+        const int64_t r0 = rows_of(item).first, nr = rows_of(item).second;
         for (int64_t si = 0; si < nr * QH; ++si) {
           const int64_t i = si % QH;
           float m_all = -std::numeric_limits<float>::infinity();

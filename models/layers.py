@@ -209,10 +209,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         with ``linear_float`` (optional, e.g. the ``gguf`` method's) gives them in float32 as it
         sums them, not rounded to the model's dtype first."""
         linear_float = getattr(self.qweight, "linear_float", None)
-        if linear_float is not None:
-            logits = self.tp.gather_last_dim(linear_float(hidden_states))
-        else:
-            logits = self.tp.gather_last_dim(linear(hidden_states, self.weight, self.packed_weight, None, self.qweight))
+        local = (linear_float(hidden_states) if linear_float is not None
+                 else linear(hidden_states, self.weight, self.packed_weight, None, self.qweight))
+        logits = self.tp.gather_last_dim(local)
         return None if logits is None else logits[:, : self.num_embeddings].float()
 
 

@@ -1233,18 +1233,6 @@ void gemm_amx(const Ctx& ctx, const uint8_t* w, int64_t M) {
   });
 }
 
-// Few rows of an interleaved weight on AMX, exact (every type). A group of a tile's 16 rows is
-// decoded as tile_x16 decodes it (each nibble position of a unit a vector of 16 rows' input pairs,
-// the codes as the bf16 numbers 128 + u; 8 bits: 128 + lo and 2048 + 16 hi) and those vectors,
-// stored in order, are an AMX B tile of G / 2 rows: lane l is weight row l, vector r the pair of
-// inputs r (8 bits: two B tiles of 16, vector r the pair r / 2, which x enters twice, side by
-// side). One tdpbf16ps multiplies it by up to 16 x rows (the A tile, the group's G inputs straight
-// from x), summing the exact products in fp32; the C tile then
-// leaves for memory, where each x row's sums are scaled per weight row as in tile_x16 (sum times
-// the scales, plus (offset - 128 scale) times x's group sum). A row's arithmetic does not depend
-// on the other rows of the call (2 to 16 rows here: one row runs tile_x16, see gemm_format).
-// Where the vdpbf16ps kernel costs a multiply per x row and code pair, this costs one tile product
-// for all rows: the decode and the scaling per group are what grows with the rows.
 // C tile CT (zeroed first) = A . B for one group: A (tile 1; 8 bits also tile 2, the second 16
 // pairs) x rows from xg, x_bytes apart; B (tile 3; 8 bits also 4) the decoded group at bg. A
 // macro: the tile intrinsics take their tile numbers as literals (GCC pastes them into the asm).
@@ -1261,6 +1249,18 @@ void gemm_amx(const Ctx& ctx, const uint8_t* w, int64_t M) {
     }                                                \
   } while (false)
 
+// Few rows of an interleaved weight on AMX, exact (every type). A group of a tile's 16 rows is
+// decoded as tile_x16 decodes it (each nibble position of a unit a vector of 16 rows' input pairs,
+// the codes as the bf16 numbers 128 + u; 8 bits: 128 + lo and 2048 + 16 hi) and those vectors,
+// stored in order, are an AMX B tile of G / 2 rows: lane l is weight row l, vector r the pair of
+// inputs r (8 bits: two B tiles of 16, vector r the pair r / 2, which x enters twice, side by
+// side). One tdpbf16ps multiplies it by up to 16 x rows (the A tile, the group's G inputs straight
+// from x), summing the exact products in fp32; the C tile then leaves for memory, where each x
+// row's sums are scaled per weight row as in tile_x16 (sum times the scales, plus (offset - 128
+// scale) times x's group sum). A row's arithmetic does not depend on the other rows of the call
+// (2 rows or more here: one row runs tile_x16, see gemm_format). Where the vdpbf16ps kernel costs
+// a multiply per x row and code pair, this costs one tile product for all rows: the decode and
+// the scaling per group are what grows with the rows.
 template <int BITS, int G>
 void tile_x16_amx(const uint8_t* w, const Ctx& ctx, const X16::Layout& L, int64_t t, int64_t m0, int mr,
                   const uint16_t* xa, int64_t xa_stride) {
@@ -1373,7 +1373,7 @@ void gemm_format(const Ctx& ctx, const uint8_t* w, int64_t M, bool many) {
     return gemm_panel<BITS, G>(ctx, w, M);
   }
 #ifdef PAGED_GGUF_AMX
-  // one x row (a decode step) stays on vdpbf16ps: on tiles its step was 13-17% slower end to end
+  // one x row (a decode step) stays on vdpbf16ps: on tiles its step was 12-17% slower end to end
   // (groups of 16 inputs ~20% slower in the kernel alone, groups of 32 level there); from 2 rows on tiles
   if (ctx.f.interleaved && amx_few_rows.load(std::memory_order_relaxed) && amx_available() && M >= 2)
     return gemm_rows_x16_amx<BITS, G>(ctx, w, M);

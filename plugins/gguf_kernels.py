@@ -66,9 +66,9 @@ x row in fp32; the C tile is read back per group and scaled as above. Where ``vd
 multiply per x row and input pair, this costs one tile product for all of them (30 layers of the
 default model's shapes, 2-core Xeon: Q4_1 5 rows 7.47 -> 4.49 ms, 8 rows 12.5 -> 5.4, 16 rows
 23.8 -> 6.4, where the dequantized tiles below take 11; Q8_0 5 rows 12.6 -> 7.3; Q6_K 5 rows 16.1
--> 10.6). One x row stays on ``vdpbf16ps``: a decode step on tiles was 13-17% slower end to end.
+-> 10.6). One x row stays on ``vdpbf16ps``: a decode step on tiles was 12-17% slower end to end.
 So on AMX CPUs one row and a batch of rows sum in different orders (both exact products, fp32
-sums): an x row has the same bits in every batch of 2 to 16 rows, not alone. ``set_amx_few_rows
+sums): an x row has the same bits in every call of 2 rows up to ``many_min_rows``, not alone. ``set_amx_few_rows
 (False)`` turns the tiles off for the whole process (benchmarks compare the two with it).
 
 For many rows (prefill, large batches) on CPUs with AMX: 32 weight rows at a time are

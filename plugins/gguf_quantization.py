@@ -114,20 +114,32 @@ class GGUFWeight:
         self.int8_activations = options.int8_activations
         self.int8_panels = options.int8_panels
         self.kernels = gguf_kernels.load() if options.kernel else None
-        # the kernel's many-rows path from this many rows on: AMX tiles where the CPU has them, else panels
-        amx = self.kernels is not None and self.kernels.amx_available()
-        self.amx = amx
-        self.amx_min_rows = options.amx_min_rows
-        self.many_min_rows = self._many_min_rows(interleaved=False) if amx else options.panel_min_rows
-        if options.int8_panels and (self.kernels is None or amx or not self.kernels.int8_activations_available()):
+        # the kernel's many-rows path: AMX tiles where the CPU has them, else panels (_set_layout)
+        self.amx = self.kernels is not None and self.kernels.amx_available()
+        self.amx_min_rows, self.panel_min_rows = options.amx_min_rows, options.panel_min_rows
+        if options.int8_panels and (self.kernels is None or self.amx or not self.kernels.int8_activations_available()):
             _warn_once("gguf: int8_panels changes nothing here: it needs the GGUF kernels on a CPU with AVX-512 VNNI "
                        "and without AMX (many rows run the bfloat16 panels, or AMX tiles)")
         # the interleaved layout where the options ask for it (the int8 paths read rows); 1 = the row layout
         self.wants_interleave = kind in options.interleave_types and not (options.int8_activations or options.int8_panels)
-        self.interleave = 1
         self.packed: torch.Tensor | None = None
         self.fmt: tuple[int, int, int] = (0, 0, 0)
         self.codes = self.scale = self.offset = None
+        self._set_layout(1)
+
+    def _set_layout(self, interleave: int) -> None:
+        """The packed layout (1: rows; ``X16_ROWS``: interleaved) and with it ``many_min_rows``,
+        from how many rows the many-rows path runs: on AMX CPUs ``amx_min_rows``, or its measured
+        default for the layout and code width; elsewhere ``panel_min_rows``."""
+        self.interleave = interleave
+        if not self.amx:
+            self.many_min_rows = self.panel_min_rows
+        elif self.amx_min_rows is not None:
+            self.many_min_rows = self.amx_min_rows
+        elif interleave == gguf_kernels.X16_ROWS:
+            self.many_min_rows = AMX_MIN_ROWS_INTERLEAVED[gguf_kernels.held_bits(self.fmt[0])]
+        else:
+            self.many_min_rows = AMX_MIN_ROWS_ROW_LAYOUT
 
     @classmethod
     def from_scales(cls, weight: torch.Tensor, scales: BlockScales, options: GGUFOptions) -> "GGUFWeight | None":
@@ -136,9 +148,7 @@ class GGUFWeight:
             try:
                 self.packed, self.fmt = gguf_kernels.pack(scales, weight, interleave=self.wants_interleave)
                 if self.wants_interleave and gguf_kernels.interleavable(self.shape[0], *self.fmt):
-                    self.interleave = gguf_kernels.X16_ROWS
-                    if self.amx:
-                        self.many_min_rows = self._many_min_rows(interleaved=True)
+                    self._set_layout(gguf_kernels.X16_ROWS)
                 return self
             except ValueError:
                 pass  # scales the layout cannot hold exactly (a float16 overflow): the torch form below
@@ -151,15 +161,6 @@ class GGUFWeight:
         self.codes, self.scale, self.offset = codes.to(torch.uint8), scales.scale.float(), offset.float()
         self.fmt = (scales.bits, scales.block, scales.super_block or scales.block)
         return self
-
-    def _many_min_rows(self, interleaved: bool) -> int:
-        """AMX CPUs: from how many rows the dequantized tiles run (``amx_min_rows``, or its
-        measured default for the layout)."""
-        if self.amx_min_rows is not None:
-            return self.amx_min_rows
-        if not interleaved:
-            return AMX_MIN_ROWS_ROW_LAYOUT
-        return AMX_MIN_ROWS_INTERLEAVED[gguf_kernels.held_bits(self.fmt[0])]
 
     # ---- the products ----
 
@@ -245,14 +246,12 @@ class GGUFWeight:
         if "packed" in tensors:
             if self.kernels is None:
                 return None  # packed for kernels this process does not have: quantize again
-            self.interleave = int(meta.get("interleave", "1"))  # caches from before the interleaved layout: rows
+            self._set_layout(int(meta.get("interleave", "1")))  # caches from before the interleaved layout: rows
             wanted = gguf_kernels.X16_ROWS if (self.wants_interleave and gguf_kernels.interleavable(
                 self.shape[0], *self.fmt)) else 1
             if self.interleave != wanted:
                 return None  # packed in the other layout than these options ask for: pack again
             self.packed = tensors["packed"]
-            if self.amx and self.interleave == gguf_kernels.X16_ROWS:
-                self.many_min_rows = self._many_min_rows(interleaved=True)
         else:
             if self.kernels is not None and self.dtype == torch.bfloat16:
                 return None  # stored in the torch form, but the kernels can run here: pack again
