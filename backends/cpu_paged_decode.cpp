@@ -99,13 +99,12 @@ inline void accumulate_rows(float* acc, float alpha, const float* p, const T* v,
 
 // ---- Query heads in lanes: bf16 caches on CPUs with AVX512-BF16 ----
 // The softmax states of one KV head (its G query heads, for each of the group's rows) are the 16
-// lanes of a vector. A position's scores for all of them are D / 2 `vdpbf16ps`, each multiplying
-// one bf16 pair of the K row (broadcast) by the lanes' query pairs: no widening of K, no
-// horizontal sums, and the cost of a position does not grow with the number of states up to 8
-// (256-bit) or 16 (a verification's 5 rows x 3 heads cost about twice one row's 3 heads). The online
+// lanes of a vector. The scores are computed with the positions in the lanes instead
+// (scores_positions: the K rows transposed into pairs by position, D / 32 `vdpbf16ps` a position
+// and state, no widening of K, no horizontal sums) and stored in the states' lanes. The online
 // softmax runs on the lanes; the V rows are widened once per block of up to 6 states and weighted
-// into each state's fp32 accumulator. A lane's arithmetic is the same whichever states share its
-// vector: a row's attention has the same bits alone (a decode) or in a group (a verification).
+// into each state's fp32 accumulator. A state's arithmetic is the same whichever states share its
+// chunk: a row's attention has the same bits alone (a decode) or in a group (a verification).
 constexpr int LANES = 16;
 constexpr int LANE_BLOCK = 6;  // states whose accumulators (4 vectors each) stay in registers at once
 
@@ -150,16 +149,29 @@ inline __m512 tanh_v(__m512 x) {
   return _mm512_or_ps(t, _mm512_and_ps(sign, x));  // copysign
 }
 
+// A position's K and V rows of one KV head (D bf16 each, 64-byte aligned) toward L2.
+template <int64_t D>
+inline void prefetch_row(const c10::BFloat16* kh, const c10::BFloat16* vh, int64_t off) {
+  for (int64_t b = 0; b < D * 2; b += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(kh + off) + b, _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(vh + off) + b, _MM_HINT_T1);
+  }
+}
+
 // acc_s = alpha_s * acc_s + sum_t p[t][s] v_t for NS states (lanes j0 .. j0 + NS - 1 of p's rows),
 // 64 head dims at a time: each V row widened once for the NS states.
+// With next (not null): while the rows stream by, the K and V rows of the next tile's positions
+// 0 .. min(t1 - t0, n_next) - 1 (cache offsets next[i]) are prefetched into L2, one a position.
 template <int NS, int64_t D>
-inline void accumulate_lanes(float* const* accs, const float* alpha, const float* p, const c10::BFloat16* vh,
-                             const int64_t* off, int64_t t0, int64_t t1) {
+inline void accumulate_lanes(float* const* accs, const float* alpha, const float* p, const c10::BFloat16* kh,
+                             const c10::BFloat16* vh, const int64_t* off, int64_t t0, int64_t t1, const int64_t* next,
+                             int64_t n_next) {
   for (int64_t d = 0; d < D; d += 4 * W) {
     __m512 a[NS][4];
     for (int s = 0; s < NS; ++s)
       for (int i = 0; i < 4; ++i) a[s][i] = _mm512_mul_ps(_mm512_loadu_ps(accs[s] + d + W * i), _mm512_set1_ps(alpha[s]));
     for (int64_t t = t0; t < t1; ++t) {
+      if (next != nullptr && d == 0 && t - t0 < n_next) prefetch_row<D>(kh, vh, next[t - t0]);
       __m512 v[4];
       for (int i = 0; i < 4; ++i) v[i] = (__m512)load_vec(vh + off[t] + d + W * i);
       for (int s = 0; s < NS; ++s) {
@@ -172,35 +184,97 @@ inline void accumulate_lanes(float* const* accs, const float* alpha, const float
   }
 }
 
-// Scaled scores of positions t0 .. t1 - 1 (K rows side by side in kt) for the first WIDTH lanes:
-// sp[t][j] = scale * q_j . k_t, each a chain of D / 2 vdpbf16ps (the same in either width).
-template <int WIDTH, int64_t D>
-inline void scores_lanes(const c10::BFloat16* kt, const uint32_t* qt, int64_t t0, int64_t t1, float scale, float* sp) {
-  using V = std::conditional_t<WIDTH == 16, __m512, __m256>;
-  auto zero = [] { if constexpr (WIDTH == 16) return _mm512_setzero_ps(); else return _mm256_setzero_ps(); };
-  auto dot = [](V a, const uint32_t* q, const c10::BFloat16* k) {  // a + the pair at q (lanes) . the pair at k
-    if constexpr (WIDTH == 16)
-      return _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(q), (__m512bh)_mm512_set1_epi32(load_pair(k)));
-    else
-      return _mm256_dpbf16_ps(a, (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)),
-                              (__m256bh)_mm256_set1_epi32(load_pair(k)));
-  };
-  auto store = [scale](float* dst, V a) {
-    if constexpr (WIDTH == 16) _mm512_storeu_ps(dst, _mm512_mul_ps(a, _mm512_set1_ps(scale)));
-    else _mm256_storeu_ps(dst, _mm256_mul_ps(a, _mm256_set1_ps(scale)));
-  };
-  int64_t t = t0;
-  for (; t + 8 <= t1; t += 8) {  // eight positions at a time: eight independent chains
-    V a[8];
-    for (int j = 0; j < 8; ++j) a[j] = zero();
-    for (int64_t p = 0; p < D / 2; ++p)
-      for (int j = 0; j < 8; ++j) a[j] = dot(a[j], qt + p * LANES, kt + (t + j) * D + 2 * p);
-    for (int j = 0; j < 8; ++j) store(sp + (t + j) * LANES, a[j]);
+// 16 x 16 32-bit words transposed in registers: r[i] lane j becomes r[j] lane i (64 shuffles).
+inline void transpose16x16(__m512i* r) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
   }
-  for (; t < t1; ++t) {
-    V a = zero();
-    for (int64_t p = 0; p < D / 2; ++p) a = dot(a, qt + p * LANES, kt + t * D + 2 * p);
-    store(sp + t * LANES, a);
+  for (int i = 0; i < 16; i += 4) {
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    t[k] = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x88);
+    t[4 + k] = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xdd);
+    t[8 + k] = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x88);
+    t[12 + k] = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xdd);
+  }
+  for (int k = 0; k < 4; ++k) {
+    r[k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0x88);
+    r[8 + k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0xdd);
+    r[4 + k] = _mm512_shuffle_i32x4(t[4 + k], t[12 + k], 0x88);
+    r[12 + k] = _mm512_shuffle_i32x4(t[4 + k], t[12 + k], 0xdd);
+  }
+}
+
+// States j0 .. j0 + NS - 1 against NB blocks of 16 positions from u0 (pairs kp[p][u]): each score
+// one chain of vdpbf16ps over the pairs in order, then scaled, stored at sp[u][j].
+template <int NS, int NB, int64_t D>
+inline void score_blocks(const uint32_t (*kp)[TILE], const uint32_t* qt, int j0, int64_t u0, float scale, float* sp) {
+  __m512 a[NS][NB];
+  for (int s = 0; s < NS; ++s)
+    for (int b = 0; b < NB; ++b) a[s][b] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < D / 2; ++p) {
+    __m512i k[NB];
+    for (int b = 0; b < NB; ++b) k[b] = _mm512_load_si512(&kp[p][u0 + 16 * b]);
+    for (int s = 0; s < NS; ++s) {
+      const __m512i q = _mm512_set1_epi32(static_cast<int>(qt[p * LANES + j0 + s]));
+      for (int b = 0; b < NB; ++b) a[s][b] = _mm512_dpbf16_ps(a[s][b], (__m512bh)q, (__m512bh)k[b]);
+    }
+  }
+  alignas(64) float v[16];
+  for (int s = 0; s < NS; ++s)
+    for (int b = 0; b < NB; ++b) {
+      _mm512_store_ps(v, _mm512_mul_ps(a[s][b], _mm512_set1_ps(scale)));
+      for (int i = 0; i < 16; ++i) sp[(u0 + 16 * b + i) * LANES + j0 + s] = v[i];
+    }
+}
+
+template <int NS, int64_t D>
+inline void score_blocks_any(const uint32_t (*kp)[TILE], const uint32_t* qt, int j0, int64_t u0, int64_t nb, float scale,
+                             float* sp) {
+  switch (nb) {
+    case 1: return score_blocks<NS, 1, D>(kp, qt, j0, u0, scale, sp);
+    case 2: return score_blocks<NS, 2, D>(kp, qt, j0, u0, scale, sp);
+    case 3: return score_blocks<NS, 3, D>(kp, qt, j0, u0, scale, sp);
+    default: return score_blocks<NS, 4, D>(kp, qt, j0, u0, scale, sp);
+  }
+}
+
+// sp[t][j] = scale * q_j . k_t for positions t0 .. t1 - 1 and the chunk's `used` states, with the
+// positions in the lanes: the tile's K rows, loaded whole in position order (the pattern the
+// hardware prefetchers follow), are transposed into pairs by position (16 positions x 16 pairs at
+// a time), then each state costs D / 32 vdpbf16ps a position against its query pair, broadcast
+// once per 16 positions. The states in the lanes instead (each K pair broadcast against the
+// states' query pairs) cost D / 2 broadcasts and D / 2 vdpbf16ps a position however few the
+// states: a decode has 3, in 16 lanes. Same numbers either way, bit for bit: each score is one
+// chain of vdpbf16ps over the pairs in order. 1.3-1.5x faster attention, `attention_torch.py
+// --kernel-sweep` shapes, 2-core Xeon with AMX (README, Performance).
+template <int64_t D>
+inline void scores_positions(const c10::BFloat16* kh, const int64_t* off, const uint32_t* qt, int used, int64_t t0,
+                             int64_t t1, float scale, float* sp) {
+  constexpr int64_t PAIRS = D / 2;
+  const int64_t b0 = t0 / 16 * 16, nb = (t1 - b0 + 15) / 16;  // blocks of 16 positions from b0 (at most 4)
+  alignas(64) uint32_t kp[PAIRS][TILE];                           // kp[p][u]: pair p of position u (0 outside t0 .. t1 - 1)
+  for (int64_t u0 = b0; u0 < b0 + 16 * nb; u0 += 16)
+    for (int64_t p0 = 0; p0 < PAIRS; p0 += 16) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = u0 + i >= t0 && u0 + i < t1 ? _mm512_loadu_si512(kh + off[u0 + i] + 2 * p0) : _mm512_setzero_si512();
+      transpose16x16(r);
+      for (int i = 0; i < 16; ++i) _mm512_store_si512(&kp[p0 + i][u0], r[i]);
+    }
+  for (int j0 = 0; j0 < used; j0 += 4) {  // states 4 at a time: 4 x 4 accumulators in registers
+    switch (std::min(4, used - j0)) {
+      case 1: score_blocks_any<1, D>(kp, qt, j0, b0, nb, scale, sp); break;
+      case 2: score_blocks_any<2, D>(kp, qt, j0, b0, nb, scale, sp); break;
+      case 3: score_blocks_any<3, D>(kp, qt, j0, b0, nb, scale, sp); break;
+      default: score_blocks_any<4, D>(kp, qt, j0, b0, nb, scale, sp); break;
+    }
   }
 }
 
@@ -210,23 +284,15 @@ inline void scores_lanes(const c10::BFloat16* kt, const uint32_t* qt, int64_t t0
 template <int64_t D>
 void attend_lanes(const c10::BFloat16* kh, const c10::BFloat16* vh, const int64_t* off, LaneChunk& c,
                   const uint32_t* qt, float* acc, const int32_t* t0s, const int32_t* t1s, float scale, float soft_cap,
-                  float* sp) {
+                  float* sp, const int64_t* next, int64_t n_next) {
   int64_t tmin = TILE, tmax = 0;  // the positions any lane needs
   for (int j = 0; j < c.used; ++j)
     if (t1s[j] > t0s[j]) tmin = std::min<int64_t>(tmin, t0s[j]), tmax = std::max<int64_t>(tmax, t1s[j]);
+  // the next tile's rows not prefetched during the V pass below (all of them where it has none)
+  const int64_t streamed = next != nullptr && tmax > tmin ? std::min(n_next, tmax - tmin) : 0;
+  for (int64_t i = streamed; next != nullptr && i < n_next; ++i) prefetch_row<D>(kh, vh, next[i]);
   if (tmax <= tmin) return;
-  constexpr int64_t PAIRS = D / 2;
-  // the tile's K rows copied side by side first, with whole-vector loads in position order (the
-  // pattern the hardware prefetchers follow; broadcasts of single words from the cache rows, 32
-  // per row, were 1.5x slower with the caches coming from memory)
-  alignas(64) c10::BFloat16 kt[TILE * D];
-  for (int64_t u = tmin; u < tmax; ++u)
-    for (int64_t d = 0; d < D; d += 32)
-      _mm512_store_si512(kt + u * D + d, _mm512_loadu_si512(kh + off[u] + d));
-  if (c.used <= 8)  // 256-bit vdpbf16ps: twice as many a cycle; lanes 8-15 are unused (masked below)
-    scores_lanes<8, D>(kt, qt, tmin, tmax, scale, sp);
-  else
-    scores_lanes<16, D>(kt, qt, tmin, tmax, scale, sp);
+  scores_positions<D>(kh, off, qt, c.used, tmin, tmax, scale, sp);
   // online softmax on the lanes; a lane's positions outside its range are masked out
   const __m512i lo = _mm512_loadu_si512(t0s), hi = _mm512_loadu_si512(t1s);
   auto in_range = [&](int64_t pos) {
@@ -266,12 +332,12 @@ void attend_lanes(const c10::BFloat16* kh, const c10::BFloat16* vh, const int64_
     for (int s = 0; s < ns; ++s) accs[s] = acc + c.state[j0 + s] * D;
     const float* p = sp + j0;
     switch (ns) {
-      case 1: accumulate_lanes<1, D>(accs, alphas + j0, p, vh, off, tmin, tmax); break;
-      case 2: accumulate_lanes<2, D>(accs, alphas + j0, p, vh, off, tmin, tmax); break;
-      case 3: accumulate_lanes<3, D>(accs, alphas + j0, p, vh, off, tmin, tmax); break;
-      case 4: accumulate_lanes<4, D>(accs, alphas + j0, p, vh, off, tmin, tmax); break;
-      case 5: accumulate_lanes<5, D>(accs, alphas + j0, p, vh, off, tmin, tmax); break;
-      default: accumulate_lanes<6, D>(accs, alphas + j0, p, vh, off, tmin, tmax); break;
+      case 1: accumulate_lanes<1, D>(accs, alphas + j0, p, kh, vh, off, tmin, tmax, b == 0 ? next : nullptr, n_next); break;
+      case 2: accumulate_lanes<2, D>(accs, alphas + j0, p, kh, vh, off, tmin, tmax, b == 0 ? next : nullptr, n_next); break;
+      case 3: accumulate_lanes<3, D>(accs, alphas + j0, p, kh, vh, off, tmin, tmax, b == 0 ? next : nullptr, n_next); break;
+      case 4: accumulate_lanes<4, D>(accs, alphas + j0, p, kh, vh, off, tmin, tmax, b == 0 ? next : nullptr, n_next); break;
+      case 5: accumulate_lanes<5, D>(accs, alphas + j0, p, kh, vh, off, tmin, tmax, b == 0 ? next : nullptr, n_next); break;
+      default: accumulate_lanes<6, D>(accs, alphas + j0, p, kh, vh, off, tmin, tmax, b == 0 ? next : nullptr, n_next); break;
     }
     j0 += ns;
   }
@@ -409,7 +475,7 @@ constexpr bool HAVE_LANES = false;
 constexpr bool HAVE_PREFILL = false;
 template <int64_t D>  // never called without AVX512-BF16 (HAVE_LANES is false)
 void attend_lanes(const c10::BFloat16*, const c10::BFloat16*, const int64_t*, LaneChunk&, const uint32_t*, float*,
-                  const int32_t*, const int32_t*, float, float, float*) {}
+                  const int32_t*, const int32_t*, float, float, float*, const int64_t*, int64_t) {}
 #endif
 
 // HEAD_DIM > 0: the head dim as a compile-time constant (64, 128), so that the loops over it are
@@ -542,8 +608,11 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
         // not L1: a tile's lines (256 for one KV head of 64 dims) asked for at once into L1 wait
         // on its few miss buffers; into L2, 1 row from memory took 25% less time (30 layers at
         // 900 and 3,000 positions, 2-core EPYC), the same in cache; two tiles ahead no better.
+        // In the lanes path only a run's first tile here: the next tile's rows are prefetched a
+        // position at a time during each KV head's V pass (attend_lanes), which overlaps them with
+        // the work (the burst here waited on the miss buffers: attention 3-10% slower, 2-core Xeon).
         const int64_t head_bytes = heads_per_item * D * int64_t(sizeof(T));
-        for (int64_t t = start == first ? 0 : n; t < n + n_next; ++t)
+        for (int64_t t = start == first ? 0 : n; t < (lanes ? (start == first ? n : 0) : n + n_next); ++t)
           for (const T* cache : {kp, vp}) {  // every 64-byte line the item's heads touch
             const uintptr_t begin = reinterpret_cast<uintptr_t>(cache + rows[t] + h0 * D);
             for (uintptr_t line = begin & ~uintptr_t(63); line < begin + head_bytes; line += 64)
@@ -623,7 +692,8 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
               }
               attend_lanes<HEAD_DIM>(reinterpret_cast<const c10::BFloat16*>(kh), reinterpret_cast<const c10::BFloat16*>(vh),
                                      rows.data(), c, qt.data() + ci * (D / 2) * LANES, acc.data(), t0s, t1s, fscale,
-                                     static_cast<float>(soft_cap), sp.data());
+                                     static_cast<float>(soft_cap), sp.data(),
+                                     ci == g * chunks_per_head ? rows.data() + n : nullptr, n_next);
             }
             continue;
           }

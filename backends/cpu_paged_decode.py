@@ -42,7 +42,8 @@ against 4.27 ms copied in cache, 4.73 against 4.78 from memory, and 2 rows at 3,
 against 6.70 in cache, where with the old widening the copy had taken 5 rows from 6.4-7.0 to
 4.5-4.8 ms). The next tile's K/V rows of the item's KV heads are prefetched while a tile is
 computed (a head's rows are a strided run the hardware prefetchers follow poorly: one row from
-memory, 30 layers, 900 positions 1.94 -> 1.66 ms, 3,000 positions 9.3 -> 8.4), and a run's
+memory, 30 layers, 900 positions 1.94 -> 1.66 ms, 3,000 positions 9.3 -> 8.4; in the bf16 lanes
+path below a position at a time during each head's V pass, 3-10% faster than one burst), and a run's
 first tile its own rows before it starts (with the lanes path below, 900 positions from memory
 1.81-1.91 -> 1.75-1.78 ms for one row, 2.6-2.8 -> 2.43-2.50 for 5; 300 positions level). Per tile: the
 tile's scores and their max, one online-softmax update (running max and sum; the accumulator is
@@ -61,14 +62,16 @@ four it falls in): 13.0 against 15.9 us a call at 200 positions, 43 against 55 a
 
 bf16 caches on CPUs with AVX512-BF16 (head dims 64 and 128) take another scoring path: the
 softmax states of a KV head (its query heads, for each row of a group) are the lanes of one
-vector, 16 to a chunk. A tile's K rows are first copied side by side (whole-vector loads in
-position order, which the hardware prefetchers follow; broadcasting single words from the cache
-rows was 1.5x slower with the caches coming from memory); a position's scores for all the lanes
-are then D / 2 ``vdpbf16ps``, each multiplying one bf16 pair of the K row (broadcast) by the
-lanes' query pairs (products exact, fp32 sums; the scale applied to the sum), 256-bit wide when
-8 lanes or fewer are used. No widening of K and no horizontal sums, and a position costs the
-same for 1 to 8 states, so a speculative verification's 5 rows x 3 heads cost little more than
-one row's 3 heads. The online softmax runs on the lanes (a lane's positions outside its row's
+vector, 16 to a chunk. A tile's scores are computed with the positions in the lanes: its K rows,
+loaded whole in position order (which the hardware prefetchers follow), are transposed in
+registers into pairs by position (16 positions x 16 pairs of bf16 at a time), and each state's
+scores are then a chain of ``vdpbf16ps`` over the pairs, 16 positions' pairs times the state's
+query pair broadcast (products exact, fp32 sums; the scale applied to the sum): D / 32
+instructions a position and state, stored into the states' lanes. No widening of K and no
+horizontal sums. (Until 2026-12-06 the states were the lanes here too: D / 2 broadcasts of a K
+pair and D / 2 ``vdpbf16ps`` a position, however few the states; a decode has 3. The same
+numbers, bit for bit; the attention 1.3-1.5x faster, ``attention_torch.py --kernel-sweep``,
+2-core Xeon with AMX.) The online softmax runs on the lanes (a lane's positions outside its row's
 range masked out), and the V rows are widened once per block of up to 6 states and weighted
 into each state's fp32 accumulator (a masked weight is an exact 0). A lane's arithmetic does not
 depend on which states share its vector: a row's output has the same bits decoded alone or in

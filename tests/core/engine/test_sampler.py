@@ -88,6 +88,25 @@ def test_greedy_is_argmax():
     assert out16.token_ids == logits.to(torch.bfloat16).float().argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_greedy_takes_the_first_of_tied_maxima(rows):
+    """Rounded logits tie (bf16 steps of 0.125 near 25): greedy picks the lowest token id among
+    the tied maxima, in every row, checked in plain Python; every path of the sampler (the plain
+    greedy batch, greedy rows beside logprobs, beside sampled rows) picks the same."""
+    g = torch.Generator().manual_seed(rows)
+    logits = torch.randint(0, 40, (rows, 49152), generator=g).float() / 8 + 20  # many ties at the max
+    maxima = [(row, max(row)) for row in logits.tolist()]
+    first_max = [row.index(top) for row, top in maxima]
+    assert all(row.count(top) > 1 for row, top in maxima)  # every row's max is tied
+    sampler = Sampler(49152, "cpu", seed=0)
+    assert sampler.sample(logits, [make_req(f"t{i}", temperature=0.0) for i in range(rows)]).token_ids == first_max
+    with_logprobs = [make_req(f"l{i}", temperature=0.0, logprobs=1) for i in range(rows)]
+    assert sampler.sample(logits, with_logprobs).token_ids == first_max
+    mixed = [make_req(f"m{i}", temperature=0.0 if i % 2 == 0 else 1.0) for i in range(rows)]
+    got = sampler.sample(logits, mixed).token_ids
+    assert [got[i] for i in range(0, rows, 2)] == first_max[::2]
+
+
 def test_greedy_rows_in_a_mixed_batch_are_argmax():
     torch.manual_seed(1)
     logits = torch.randn(6, 300)
