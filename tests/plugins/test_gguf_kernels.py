@@ -82,6 +82,30 @@ def test_products_match_float64_with_gguf_weights(kind, tail):
 
 
 @needs_kernels
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q4_k"])
+def test_many_rows_larger_than_l2_match_float64_and_row_chunks(kind):
+    """A prefill's x of more than 2 MB (1,900 rows x 576 or 768 inputs: padded to 1,904) runs the
+    AMX panels in groups (gemm_amx): the weights rounded to bf16 once, fp32 sums, as a float64
+    product says; and each output has the bits of the same rows multiplied 400 at a time (x in
+    L2: a panel at a time), 3 threads or 1."""
+    k = _tail_k(kind)
+    exact, scales = _weight(kind, n=160, k=k, seed=7)
+    w = quantize_gguf(exact.bfloat16(), scales, GGUFOptions(amx_min_rows=1, panel_min_rows=1))
+    x = torch.randn(1900, k, generator=torch.Generator().manual_seed(8)).bfloat16()
+    assert x.numel() * 2 > 2 * 1024 * 1024
+    whole = w.linear(x, None)
+    assert _relative_error(whole, x.double() @ exact.bfloat16().double().T) < 5e-3
+    assert torch.equal(whole, torch.cat([w.linear(x[i : i + 400], None) for i in range(0, 1900, 400)]))
+    threads = torch.get_num_threads()
+    try:
+        for n in (3, 1):
+            torch.set_num_threads(n)
+            assert torch.equal(w.linear(x, None), whole), n
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernels
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("tail", [False, True], ids=["k512", "k_tail"])
 def test_few_rows_give_an_x_row_the_same_bits_in_any_batch(kind, tail):
