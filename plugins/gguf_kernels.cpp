@@ -1243,13 +1243,7 @@ void gemm_amx(const Ctx& ctx, const uint8_t* w, int64_t M) {
     std::vector<float> scratch(64 * ((K / G + 15) / 16 * 16));
     alignas(64) float c[16 * 16];
     for (int64_t g0 = p0; g0 < p1; g0 += group) {
-      const int64_t ng = std::min(group, p1 - g0);
-      if (ng == 1) {  // a panel at a time: every block of x by it
-        prefetch_panel(w, stride, g0, p1);
-        dequantize_panel<BITS, G>(ctx, w, g0 * PANEL, panels.data(), scratch.data());
-        for (int64_t m0 = 0; m0 < Mp; m0 += 32) amx_panel_block(ctx, panels.data(), xb, M, Mp, m0, g0 * PANEL, c);
-        continue;
-      }
+      const int64_t ng = std::min(group, p1 - g0);  // 1 with x in L2: a panel at a time, every block of x by it
       for (int64_t j = 0; j < ng; ++j) {
         prefetch_panel(w, stride, g0 + j, p1);
         dequantize_panel<BITS, G>(ctx, w, (g0 + j) * PANEL, panels.data() + j * panel_words, scratch.data());
