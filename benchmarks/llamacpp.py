@@ -6,7 +6,9 @@ are found through ``--llamacpp-dir``, ``$PAGED_LLAMACPP_DIR`` or
 shared libraries are found through ``LD_LIBRARY_PATH``, set here to the same folder):
 
 1. one request: ``llama-bench -t T -p P -n N`` (pp P and tg N tok/s) against paged's prefill
-   (P-token prompt, time to first token) and decode (N new tokens, first excluded) tok/s;
+   (P-token prompt, time to first token) and decode (N new tokens, first excluded) tok/s. The
+   decode starts where llama-bench's tg does, on an empty cache (a 1-token prompt), not after the
+   P-token prompt: ``--decode-depth D`` decodes after D tokens on both sides (llama-bench ``-d D``);
 2. batched: ``llama-batched-bench -npp 128 -ntg 64 -npl 1,4,16,64`` (B requests of 128 random
    prompt tokens + 64 new tokens, all at once; total time) against paged on the same workload.
 
@@ -53,8 +55,13 @@ def _run_tool(tools: Path, name: str, args: list[str]) -> list[dict]:
 
 
 def llamacpp_single(tools: Path, gguf: str, args) -> dict:
-    rows = _run_tool(tools, "llama-bench", ["-m", gguf, "-t", str(args.threads), "-p", str(args.prompt_tokens),
-                                            "-n", str(args.new_tokens), "-r", str(args.repeats), "-o", "jsonl"])
+    common = ["-m", gguf, "-t", str(args.threads), "-r", str(args.repeats), "-o", "jsonl"]
+    if args.decode_depth == 0:
+        rows = _run_tool(tools, "llama-bench", [*common, "-p", str(args.prompt_tokens), "-n", str(args.new_tokens)])
+    else:  # -d applies to pp and tg alike: the prompt's test stays at depth 0
+        rows = (_run_tool(tools, "llama-bench", [*common, "-p", str(args.prompt_tokens), "-n", "0"])
+                + _run_tool(tools, "llama-bench", [*common, "-p", "0", "-n", str(args.new_tokens),
+                                                   "-d", str(args.decode_depth)]))
     pp = next(r["avg_ts"] for r in rows if r["n_prompt"] > 0)
     tg = next(r["avg_ts"] for r in rows if r["n_gen"] > 0)
     return {"prefill_tok_s": pp, "decode_tok_s": tg}
@@ -93,10 +100,16 @@ def phase_paged(args) -> dict:
     llm.generate([warm] * 2, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     prefill, decode = [], []
     prompt = rng.integers(1000, 20000, args.prompt_tokens).tolist()
+    # llama-bench's tg decodes from an empty cache (or after -d tokens): the same depth here. Its
+    # own generator, so that the batches' ids stay those peers.py gives the other engines.
+    decode_prompt = (prompt if args.decode_depth == args.prompt_tokens
+                     else np.random.default_rng(1).integers(1000, 20000, max(1, args.decode_depth)).tolist())
     for _ in range(args.repeats):
-        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True),
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
                            use_tqdm=False)[0].outputs[0]
         prefill.append(args.prompt_tokens / out.metrics.time_to_first_token)
+        out = llm.generate([decode_prompt], SamplingParams(temperature=0, max_tokens=args.new_tokens,
+                                                           ignore_eos=True), use_tqdm=False)[0].outputs[0]
         decode.append((len(out.token_ids) - 1) / out.metrics.decode_time)
     batched = {}
     for b in args.batches:
@@ -135,7 +148,8 @@ def workload_argv(args) -> list[str]:
 
 
 def _phase_args(args, variant: str) -> list[str]:
-    return ["--phase", "--variant", variant, "--gguf", args.gguf, *workload_argv(args), "--attention", args.attention]
+    return ["--phase", "--variant", variant, "--gguf", args.gguf, *workload_argv(args), "--attention", args.attention,
+            "--decode-depth", str(args.decode_depth)]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -145,6 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variants", default="bfloat16:none,bfloat16:auto",
                         help="paged DTYPE:QUANTIZATION[:KEY=VALUE+...] list (options of the quantization method)")
     add_workload_args(parser)
+    parser.add_argument("--decode-depth", type=int, default=0,
+                        help="tokens in the cache before the timed decode, on both sides (llama-bench -d)")
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--phase", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--variant", default=None, help=argparse.SUPPRESS)
@@ -165,7 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"GGUF {args.gguf}; llama.cpp tools {tools}; {args.threads} threads", flush=True)
     ref_single = llamacpp_single(tools, args.gguf, args)
     ref_batched = llamacpp_batched(tools, args.gguf, args)
-    print(f"llama.cpp: pp{args.prompt_tokens} {ref_single['prefill_tok_s']:.1f} tok/s, tg{args.new_tokens} "
+    depth = f" at depth {args.decode_depth}" if args.decode_depth else ""
+    print(f"llama.cpp: pp{args.prompt_tokens} {ref_single['prefill_tok_s']:.1f} tok/s, tg{args.new_tokens}{depth} "
           f"{ref_single['decode_tok_s']:.1f} tok/s; batched total s: "
           + ", ".join(f"B={b}: {t:.2f}" for b, t in sorted(ref_batched.items())), flush=True)
     results = {"llamacpp": {"single": ref_single, "batched_s": ref_batched}, "paged": {}}

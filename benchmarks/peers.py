@@ -141,8 +141,10 @@ def setup_openvino(model_dir: Path) -> None:
 # --- the driver ----------------------------------------------------------------------------------
 def run_paged(args) -> dict:
     llamacpp = str(HERE.parent / "llamacpp.py")
+    # decode after the prompt, as OpenVINO's is measured here
     return _bench.run_phase(llamacpp, ["--phase", "--variant", "bfloat16:auto", "--gguf", args.gguf,
-                                       "--attention", "auto", *workload_argv(args)])
+                                       "--attention", "auto", *workload_argv(args),
+                                       "--decode-depth", str(args.prompt_tokens)])
 
 
 def run_openvino(args, fmt: str) -> dict:
