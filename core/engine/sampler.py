@@ -86,11 +86,36 @@ def _rows_of(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return x[torch.tensor(rows, device=x.device)]
 
 
+# greedy_ids by chunks from this many rows (2-core Xeon, 49,152 / 151,936 float32 logits: 8 rows
+# 0.061 / 0.164 ms against max(dim)'s 0.098 / 0.320, 64 rows 0.38 / 0.90 against 0.88 / 2.70; level
+# at 4 rows), over vocabularies of at least 4 chunks
+_GREEDY_CHUNK = 1024
+_GREEDY_CHUNKED_MIN_ROWS = 8
+
+
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax (the first index of the row's max, as ``argmax``). ``max(dim).indices``
-    because torch's CPU ``argmax`` is slower: 2.3 against 0.9 ms for 64 rows of a 49,152-token
-    vocabulary in float32, 2 threads, a B = 64 decode step's sampling."""
-    return logits.max(dim=-1).indices
+    """Each row's argmax: the first index of the row's max, or of its first NaN (as ``argmax`` and
+    ``max(dim)``). ``max(dim).indices``, not ``argmax``, which is slower on CPU (2.3 against 0.9
+    ms for 64 rows of a 49,152-token vocabulary in float32, 2 threads). From 8 rows, by chunks:
+    torch's CPU ``max(dim)`` compares one value at a time with its index, while ``amax`` is
+    vectorised, so each row's chunk maxima come from ``amax``, then ``max(dim)`` runs over the one
+    chunk that holds the row's first maximum."""
+    rows, vocab = logits.shape
+    chunk = _GREEDY_CHUNK
+    if rows < _GREEDY_CHUNKED_MIN_ROWS or vocab < 4 * chunk:
+        return logits.max(dim=-1).indices
+    whole = vocab // chunk
+    chunk_max = logits[:, : whole * chunk].view(rows, whole, chunk).amax(dim=-1)
+    if whole * chunk < vocab:
+        chunk_max = torch.cat([chunk_max, logits[:, whole * chunk:].amax(dim=-1, keepdim=True)], dim=1)
+    # the first chunk holding the row's max (a NaN is the max: amax and max(dim) propagate it)
+    hit = (chunk_max == chunk_max.amax(dim=-1, keepdim=True)) | chunk_max.isnan()
+    first = hit.to(torch.uint8).argmax(dim=-1)
+    # a window of `chunk` values from that chunk's start; the short last chunk's window starts
+    # earlier, in a chunk that holds no maximum, so the window's first maximum is the row's
+    starts = (first * chunk).clamp_(max=vocab - chunk)
+    window = logits.unfold(1, chunk, 1)[torch.arange(rows, device=logits.device), starts]
+    return window.max(dim=-1).indices + starts
 
 
 # Candidate set sizes for top-p: the kept set is found within the K most likely tokens when their

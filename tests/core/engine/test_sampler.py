@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from paged.core.engine.request import Request
-from paged.core.engine.sampler import Sampler, SamplerOutput, TokenLogprobs
+from paged.core.engine.sampler import Sampler, SamplerOutput, TokenLogprobs, greedy_ids
 from paged.core.sampling_params import SamplingParams
 
 EOS = 7
@@ -105,6 +105,40 @@ def test_greedy_takes_the_first_of_tied_maxima(rows):
     mixed = [make_req(f"m{i}", temperature=0.0 if i % 2 == 0 else 1.0) for i in range(rows)]
     got = sampler.sample(logits, mixed).token_ids
     assert [got[i] for i in range(0, rows, 2)] == first_max[::2]
+
+
+def _first_argmax(row: list[float]) -> int:
+    """The first index of the row's maximum, or of its first NaN: plain Python."""
+    for i, v in enumerate(row):
+        if v != v:
+            return i
+    top = max(row)
+    return row.index(top)
+
+
+@pytest.mark.parametrize("vocab", [49152, 49152 + 300, 151936])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_ids_by_chunks_is_the_first_maximum(vocab, dtype):
+    """greedy_ids from 8 rows (by chunks) against plain Python: ties inside a chunk and across
+    chunks, a maximum in the short last chunk and at its end, NaN (the first one wins), rows of
+    -inf, +inf, a padded vocabulary's column slice (not contiguous)."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randint(0, 60, (12, vocab + 7), generator=g).float() / 8  # many ties
+    logits[0, 5], logits[0, 40000] = float("nan"), float("nan")
+    logits[1] = float("-inf")
+    logits[2, vocab - 200], logits[2, vocab - 100] = 1e9, 1e9  # the last chunk
+    logits[3, vocab - 1] = 1e9
+    logits[4, 1023], logits[4, 1024], logits[4, vocab - 1] = 99.0, 99.0, 99.0  # across a chunk boundary
+    logits[5, vocab - 1] = float("nan")
+    logits[6, 3000], logits[6, 9] = float("inf"), float("inf")
+    logits[7, :] = 2.0
+    logits[:, vocab:] = 1e12  # padding columns beyond the vocabulary: sliced off below
+    logits = logits.to(dtype)[:, :vocab]
+    assert not logits.is_contiguous()
+    expected = [_first_argmax(row) for row in logits.float().tolist()]
+    assert greedy_ids(logits).tolist() == expected
+    assert greedy_ids(logits.contiguous()).tolist() == expected
+    assert greedy_ids(logits[:3]).tolist() == expected[:3]  # below 8 rows: max(dim)
 
 
 def test_greedy_rows_in_a_mixed_batch_are_argmax():
