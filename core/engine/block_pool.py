@@ -6,9 +6,12 @@ Invariants (checked by tests/core/engine/test_kv_cache_stateful.py after every o
 - ``block.block_hash`` is set iff ``cached_block_hash_to_block[block.block_hash] is block``;
   a free block keeps its hash (still a cache hit) until it is reallocated, then it is evicted.
 
-Order of the free queue: allocation pops from the front; freed blocks are appended to the tail.
-Callers free a request's blocks tail-first, so the least recently used blocks, and of one
-sequence its last blocks, are evicted first.
+Order of the free queue: allocation pops from the front. A freed block with a hash (a cache hit
+for later requests) is appended to the tail; callers free a request's blocks tail-first, so the
+least recently used cached blocks, and of one sequence its last blocks, are evicted first. A
+freed block without a hash holds nothing to hit: it goes to the front, reused before any block
+never used yet (whose memory the operating system may not have handed out: a first touch faults
+it in) and before any cached block is evicted.
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ class KVCacheBlock:
 
 
 class FreeBlockQueue:
-    """Doubly linked list of free blocks with O(1) popleft, append and remove-from-the-middle
-    (the last is what a prefix-cache hit on a free block needs)."""
+    """Doubly linked list of free blocks with O(1) popleft, append, appendleft and
+    remove-from-the-middle (the last is what a prefix-cache hit on a free block needs)."""
 
     def __init__(self, blocks: list[KVCacheBlock]) -> None:
         self._head = KVCacheBlock(-1)  # sentinels: no None checks on the hot path
@@ -59,11 +62,16 @@ class FreeBlockQueue:
         self.num_free_blocks -= 1
 
     def append(self, block: KVCacheBlock) -> None:
-        last = self._tail.prev_free
-        last.next_free = block
-        block.prev_free = last
-        block.next_free = self._tail
-        self._tail.prev_free = block
+        self._link(self._tail.prev_free, block, self._tail)
+
+    def appendleft(self, block: KVCacheBlock) -> None:
+        self._link(self._head, block, self._head.next_free)
+
+    def _link(self, before: KVCacheBlock, block: KVCacheBlock, after: KVCacheBlock) -> None:
+        before.next_free = block
+        block.prev_free = before
+        block.next_free = after
+        after.prev_free = block
         self.num_free_blocks += 1
 
     def __iter__(self):
@@ -130,11 +138,15 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference from each; blocks reaching 0 go to the tail in the given order."""
+        """Drop one reference from each; blocks reaching 0 go to the tail in the given order if
+        they hold a hash, else to the front."""
         for block in ordered_blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_block_queue.append(block)
+                if block.block_hash is None:
+                    self.free_block_queue.appendleft(block)
+                else:
+                    self.free_block_queue.append(block)
 
     def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
         """Register a full block under its hash. If another block already holds that hash (two

@@ -129,18 +129,35 @@ def test_allocation_pops_from_the_front():
 
 def test_freed_request_returns_blocks_reversed_to_the_tail():
     kv = KVCacheManager(num_blocks=8, block_size=BS)
-    a = make_request("a", range(100, 110))  # 10 tokens -> blocks 0, 1, 2
+    a = make_request("a", range(100, 110))  # 10 tokens -> blocks 0, 1 (full, cached), 2 (partial)
     admit(kv, a)
     assert kv.get_block_ids("a") == [0, 1, 2]
     assert queue_ids(kv.block_pool) == [3, 4, 5, 6, 7]
     kv.free(a)
-    # Hand-computed: the untouched blocks first, then a's blocks tail-first.
-    assert queue_ids(kv.block_pool) == [3, 4, 5, 6, 7, 2, 1, 0]
-    # Allocation takes the never-used blocks first, then a's *last* block.
+    # Hand-computed: a's partial block (no hash: nothing to hit) at the front, then the untouched
+    # blocks, then a's cached blocks tail-first.
+    assert queue_ids(kv.block_pool) == [2, 3, 4, 5, 6, 7, 1, 0]
+    # Allocation takes the partial block, then the never-used ones; the cached blocks stay.
     b = make_request("b", range(200, 224))  # 24 tokens -> 6 blocks
     admit(kv, b)
-    assert kv.get_block_ids("b") == [3, 4, 5, 6, 7, 2]
+    assert kv.get_block_ids("b") == [2, 3, 4, 5, 6, 7]
     assert queue_ids(kv.block_pool) == [1, 0]
+
+
+def test_without_prefix_caching_freed_blocks_are_reused_before_untouched_ones():
+    """No block is hashed, so each freed block goes to the front: the next request gets the
+    blocks just freed (memory already touched), not the never-used ones."""
+    kv = KVCacheManager(num_blocks=8, block_size=BS, enable_caching=False)
+    a = make_request("a", range(100, 110))  # blocks 0, 1, 2
+    admit(kv, a)
+    kv.free(a)
+    # Hand-computed: freed tail-first (2, 1, 0), each to the front.
+    assert queue_ids(kv.block_pool) == [0, 1, 2, 3, 4, 5, 6, 7]
+    b = make_request("b", range(200, 208))  # 2 blocks
+    admit(kv, b)
+    assert kv.get_block_ids("b") == [0, 1]
+    kv.free(b)
+    assert queue_ids(kv.block_pool) == [0, 1, 2, 3, 4, 5, 6, 7]
 
 
 def test_eviction_is_lru_across_requests():
@@ -181,10 +198,11 @@ def test_ref_counts_and_sharing():
     assert [pool.blocks[i].ref_cnt for i in range(4)] == [2, 2, 1, 1]
     kv.free(a)
     assert [pool.blocks[i].ref_cnt for i in range(4)] == [1, 1, 0, 1]
-    assert queue_ids(pool) == list(range(4, 10)) + [2]  # shared blocks stay out of the queue
+    # shared blocks stay out of the queue; a's partial block (no hash) goes to the front
+    assert queue_ids(pool) == [2] + list(range(4, 10))
     kv.free(b)
     assert [pool.blocks[i].ref_cnt for i in range(4)] == [0, 0, 0, 0]
-    assert queue_ids(pool) == list(range(4, 10)) + [2, 3, 1, 0]
+    assert queue_ids(pool) == [3, 2] + list(range(4, 10)) + [1, 0]
     assert pool.get_num_free_blocks() == 10
 
 
