@@ -368,8 +368,8 @@ void prefill_causal_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
                 v1 = v.stride(1), o0 = out.stride(0), o1 = out.stride(1);
   // kt[g][j / KB][p][j % KB]: pair p of key j of KV head g (0 past Lk); a block of keys one run (a pair's
   // rows Lp apart were 4 KB-aliased: 2048 tokens took 1.5x the time per key of 512)
-  std::vector<uint32_t> kt(Hkv * P * Lp, 0u);
-  std::vector<float> vf(Hkv * Lp * D, 0.f);     // vf[g][j][d]: V in fp32
+  line_vector<uint32_t> kt(Hkv * P * Lp, 0u);
+  line_vector<float> vf(Hkv * Lp * D, 0.f);     // vf[g][j][d]: V in fp32
   at::parallel_for(0, Lk, 64, [&](int64_t j0, int64_t j1) {
     for (int64_t j = j0; j < j1; ++j)
       for (int64_t g = 0; g < Hkv; ++g) {
@@ -535,7 +535,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
     item_units[item + 1] = static_cast<int64_t>(unit_item.size());
   }
   const int64_t units = split ? static_cast<int64_t>(unit_item.size()) : items;
-  std::vector<float> partial(split ? units * QS * (D + 2) : 0);  // per unit and query state: m, l, acc[D]
+  line_vector<float> partial(split ? units * QS * (D + 2) : 0);  // per unit and query state: m, l, acc[D]
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, units)));
   // bf16 with AVX512-BF16 and a head dim of 64 or 128: the KV head's states in lanes (above)
   constexpr bool lanes = HAVE_LANES && std::is_same_v<T, c10::BFloat16> && (HEAD_DIM == 64 || HEAD_DIM == 128);
@@ -547,12 +547,12 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
 #pragma omp parallel num_threads(threads)
   {
     // per-thread scratch: the queries (fp32, scaled), the softmax states, a tile's scores and cache rows
-    std::vector<float> qf(lanes ? 0 : QS * D), acc(QS * D), s(TILE), m(QS), l(QS);
+    line_vector<float> qf(lanes ? 0 : QS * D), acc(QS * D), s(TILE), m(QS), l(QS);
     std::vector<int64_t> rows(2 * TILE);  // this tile's cache rows, then the next one's (prefetched)
     // lanes: the chunks, their query pairs [chunk][D / 2][LANES], a tile's scores [TILE][LANES]
     std::vector<LaneChunk> chunks(num_chunks);
-    std::vector<uint32_t> qt(num_chunks * (D / 2) * LANES);
-    std::vector<float> sp(lanes ? TILE * LANES : 0);
+    line_vector<uint32_t> qt(num_chunks * (D / 2) * LANES);
+    line_vector<float> sp(lanes ? TILE * LANES : 0);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t unit = 0; unit < units; ++unit) {
       const int64_t item = split ? unit_item[unit] : unit;

@@ -115,7 +115,7 @@ inline void store16<c10::BFloat16>(c10::BFloat16* p, vec v) {  // v's low 16 bit
 template <typename T, typename WT, bool kGemma>
 void norm_rows(const T* x, const T* res, T* res_out, const WT* w, T* out, int64_t rows, int64_t n, float eps) {
   at::parallel_for(0, rows, GRAIN_ROWS, [&](int64_t begin, int64_t end) {
-    std::vector<float> h(n + W);
+    line_vector<float> h(n + W);
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * n;
       int64_t i = 0;

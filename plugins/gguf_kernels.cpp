@@ -636,8 +636,8 @@ template <int BITS, int G>
 void gemm_panel_int8(const Ctx& ctx, const uint8_t* w, int64_t M) {
   const int64_t K = ctx.K, N = ctx.N, stride = ctx.f.row_bytes(K), groups = K / G;
   at::parallel_for(0, N / PANEL, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<uint32_t> codes(PANEL * K / 4);
-    std::vector<float> scale(PANEL * groups), offset(PANEL * groups), scratch(2 * 16 * ((groups + 15) / 16 * 16));
+    line_vector<uint32_t> codes(PANEL * K / 4);
+    line_vector<float> scale(PANEL * groups), offset(PANEL * groups), scratch(2 * 16 * ((groups + 15) / 16 * 16));
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * PANEL;
       prefetch_panel(w, stride, p, p1);
@@ -1143,8 +1143,8 @@ template <int BITS, int G>
 void gemm_panel(const Ctx& ctx, const uint8_t* w, int64_t M) {
   const int64_t K = ctx.K, N = ctx.N, stride = ctx.f.row_bytes(K);
   at::parallel_for(0, N / PANEL, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<uint32_t> panel(PANEL * K / 2);  // [K/32][2 halves][16 pairs][16 rows]
-    std::vector<float> scratch(64 * ((K / G + 15) / 16 * 16));
+    line_vector<uint32_t> panel(PANEL * K / 2);  // [K/32][2 halves][16 pairs][16 rows]
+    line_vector<float> scratch(64 * ((K / G + 15) / 16 * 16));
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * PANEL;
       prefetch_panel(w, stride, p, p1);
@@ -1226,7 +1226,7 @@ void gemm_amx(const Ctx& ctx, const uint8_t* w, int64_t M) {
   const int64_t K = ctx.K, N = ctx.N, stride = ctx.f.row_bytes(K);
   const int64_t Mp = (M + 15) / 16 * 16;
   const uint16_t* xb = ctx.xb;
-  std::vector<uint16_t> padded;  // x with zero rows up to a multiple of 16 (tiles read 16 rows)
+  line_vector<uint16_t> padded;  // x with zero rows up to a multiple of 16 (tiles read 16 rows)
   if (Mp != M) {
     padded.assign(Mp * K, 0);
     std::memcpy(padded.data(), xb, M * K * 2);
@@ -1239,8 +1239,8 @@ void gemm_amx(const Ctx& ctx, const uint8_t* w, int64_t M) {
     cfg.palette = 1;
     for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
     _tile_loadconfig(&cfg);
-    std::vector<uint32_t> panels(std::min(group, p1 - p0) * panel_words);
-    std::vector<float> scratch(64 * ((K / G + 15) / 16 * 16));
+    line_vector<uint32_t> panels(std::min(group, p1 - p0) * panel_words);
+    line_vector<float> scratch(64 * ((K / G + 15) / 16 * 16));
     alignas(64) float c[16 * 16];
     for (int64_t g0 = p0; g0 < p1; g0 += group) {
       const int64_t ng = std::min(group, p1 - g0);  // 1 with x in L2: a panel at a time, every block of x by it
@@ -1354,7 +1354,7 @@ void gemm_rows_x16_amx(const Ctx& ctx, const uint8_t* w, int64_t M) {
   const X16::Layout L(ctx.K, ctx.f);
   const int64_t K = ctx.K;
   // 8 bits: x's pairs each twice, side by side (the low and the high nibble vectors of a pair)
-  std::vector<uint32_t> doubled(BITS == 8 ? M * K : 0);
+  line_vector<uint32_t> doubled(BITS == 8 ? M * K : 0);
   if constexpr (BITS == 8)
     for (int64_t m = 0; m < M; ++m)
       for (int64_t p = 0; p < K / 2; ++p) {
@@ -1483,7 +1483,7 @@ at::Tensor gemm_into(const at::Tensor& x_in, const at::Tensor& packed, int64_t b
 #endif
   // per group of x, its sum in fp32: the offsets' factor (not used where many rows dequantize the weights);
   // few rows sum in order (as always: a decode step's results stay bit for bit), the int8 panels by vectors
-  std::vector<float> xs(many && !panels8 ? 0 : M * groups);
+  line_vector<float> xs(many && !panels8 ? 0 : M * groups);
   for (int64_t m = 0; m < M && !many; ++m)
     for (int64_t g = 0; g < groups; ++g) {
       float s = 0.f;
@@ -1498,8 +1498,8 @@ at::Tensor gemm_into(const at::Tensor& x_in, const at::Tensor& packed, int64_t b
                                  _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + m * K + g * f.group + j))), 16)));
       xs[m * groups + g] = _mm512_reduce_add_ps(s);
     }
-  std::vector<int8_t> xq(int8 ? M * K : 0);
-  std::vector<float> dx(int8 ? M * (K / 32) : 0), xql(int8 && !many ? M * (K / CHUNK) * 16 : 0);
+  line_vector<int8_t> xq(int8 ? M * K : 0);
+  line_vector<float> dx(int8 ? M * (K / 32) : 0), xql(int8 && !many ? M * (K / CHUNK) * 16 : 0);
   if (int8) quantize_x(xb, M, K, xq.data(), dx.data());
   for (int64_t i = 0; i < int64_t(xql.size()) / 16; ++i)  // few rows: lanes 0-7 a chunk's first block, 8-15 its second
     for (int l = 0; l < 16; ++l) xql[16 * i + l] = dx[2 * i + l / 8];
@@ -1507,7 +1507,7 @@ at::Tensor gemm_into(const at::Tensor& x_in, const at::Tensor& packed, int64_t b
   // codes' word order (tile_words; 4-bit rows of 64 more inputs, as the default model's 576, were
   // measured no faster that way: their last half unit costs a whole one)
   const bool words = !many && !int8 && !f.interleaved && (f.bits == 8 || (f.bits == 4 && K % 128 == 0));
-  std::vector<uint16_t> xw(words ? M * K : 0);
+  line_vector<uint16_t> xw(words ? M * K : 0);
   if (words && f.bits == 4) word_order_x<4>(xb, M, K, xw.data());
   if (words && f.bits == 8) word_order_x<8>(xb, M, K, xw.data());
   const Ctx ctx{K, N, f, xb, xs.data(), float_out ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr()), int8 ? xq.data() : nullptr,
@@ -1554,7 +1554,7 @@ at::Tensor dequantize_rows(const at::Tensor& packed, const at::Tensor& ids_in, i
   }
   dispatch(f, [&](auto b, auto g) {
     at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-      std::vector<float> scratch(2 * (K / f.group));
+      line_vector<float> scratch(2 * (K / f.group));
       for (int64_t t = t0; t < t1; ++t)
         dequantize_row<decltype(b)::value, decltype(g)::value>(w + id[t] * stride, K, f, o + t * K, scratch.data());
     });

@@ -65,7 +65,7 @@ void apply_rows(T* y, const T* x, const T* a, const T* b, const int32_t* slots, 
                 int64_t rows, int64_t in, int64_t out, int64_t R, int64_t parts, int64_t max_rank, int64_t y_stride,
                 int64_t x_stride) {
   at::parallel_for(0, rows, GRAIN_ROWS, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(out);
+    line_vector<float> acc(out);
     for (int64_t t = begin; t < end; ++t) {
       const int32_t s = slots[t];
       if (s < 0) continue;

@@ -205,7 +205,7 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& packed, const uint16_t
   if (M == 0 || N == 0) return out;
   const int64_t subs = K / SUB;
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  std::vector<float> xs(M * subs);  // per 32 inputs, the sum of x (the zero and offset terms' factor)
+  line_vector<float> xs(M * subs);  // per 32 inputs, the sum of x (the zero and offset terms' factor)
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < subs; ++g) {
       float s = 0.f;

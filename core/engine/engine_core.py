@@ -55,7 +55,7 @@ class CoreStats:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, registry=None) -> None:
-        from paged.core.engine.tp_ranks import TensorParallelRanks, configure_cpu_threads
+        from paged.core.engine.tp_ranks import TensorParallelRanks, configure_cpu_process
         from paged.core.engine.model_runner import ModelRunner, resolve_device
         from paged.core.registry import get_registry
 
@@ -71,7 +71,7 @@ class EngineCore:
         self.model_config = resolve_model(config, registry, self.device)
         pooling = resolve_pooling(config, registry, str(self.model_config.model_dir), self.model_config.hf_config,
                                   self.model_config.classification_head)
-        configure_cpu_threads(config, self.device)
+        configure_cpu_process(config, self.device)
         # Tensor parallelism: this process becomes rank 0 (the other ranks start or join here).
         self.tp_ranks = TensorParallelRanks.start(config, self.device)
         if self.tp_ranks is not None:

@@ -30,6 +30,7 @@ import torch
 
 from paged.core.config import EngineConfig, resolve_plugins
 from paged.core.engine.child_process import is_orphaned, read_config_from_stdin, spawn_child
+from paged.core.engine.cpu_malloc import keep_freed_memory
 from paged.core.engine.distributed import (
     STORE_TIMEOUT,
     TensorParallel,
@@ -42,12 +43,18 @@ from paged.core.errors import ConfigError, PagedError
 logger = logging.getLogger("paged")
 
 
-def configure_cpu_threads(config: EngineConfig, device: torch.device) -> None:
-    """Several ranks or engine cores on one CPU share its cores: give each process its share
-    (unless OMP_NUM_THREADS says otherwise), or they slow each other down many times over."""
+def configure_cpu_process(config: EngineConfig, device: torch.device) -> None:
+    """For a process that runs the model on the CPU: its threads and its malloc.
+
+    Several ranks or engine cores on one CPU share its cores: give each process its share
+    (unless OMP_NUM_THREADS says otherwise), or they slow each other down many times over. And
+    glibc keeps the memory a step frees for the next step (``paged.core.engine.cpu_malloc``)."""
+    if device.type != "cpu":
+        return
     processes = config.parallel.tensor_parallel_size * config.parallel.local_cores  # this node's
-    if device.type == "cpu" and processes > 1 and "OMP_NUM_THREADS" not in os.environ:
+    if processes > 1 and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))
+    keep_freed_memory()
 
 
 def rank_device(device: torch.device, local_rank: int) -> torch.device:
@@ -194,7 +201,7 @@ def run_worker(config: EngineConfig, rank: int, size: int, master_addr: str, mas
             f"{size} ranks; pass --tensor-parallel-size {size}"
         )
     device = rank_device(resolve_device(config.device), local_rank)
-    configure_cpu_threads(config, device)
+    configure_cpu_process(config, device)
     init_tensor_parallel(rank, size, device, master_addr, master_port, own_store)
     try:
         registry = get_registry()

@@ -1,0 +1,58 @@
+"""glibc keeps the memory a CPU step frees (paged.core.engine.cpu_malloc): a block the size of a
+prefill step's activations, freed and allocated again, is not faulted in again."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from paged.core.engine.cpu_malloc import user_chose_allocator
+
+# A 48 MiB block (above the 32 MiB that glibc's own threshold ever reaches) allocated, written and
+# freed three times; prints the page faults of the last two rounds.
+_ROUNDS = textwrap.dedent("""
+    import ctypes, resource, sys
+    from paged.core.engine.cpu_malloc import keep_freed_memory
+    if sys.argv[1] == "keep":
+        assert keep_freed_memory()
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    size = 48 * 2**20
+    faults = []
+    for _ in range(3):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        block = libc.malloc(size)
+        ctypes.memset(block, 1, size)
+        libc.free(block)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    print(faults[1] + faults[2])
+""")
+
+
+def _faults(mode: str) -> int:
+    env = {"PATH": "/usr/bin:/bin"}  # no MALLOC_* or LD_PRELOAD from the caller
+    done = subprocess.run([sys.executable, "-c", _ROUNDS, mode], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout.split()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux")
+def test_a_freed_block_is_reused_without_new_page_faults():
+    pages = 48 * 2**20 // 4096
+    kept = _faults("keep")
+    assert kept < pages // 20, f"{kept} page faults re-touching a freed 48 MiB block ({pages} pages)"
+
+
+def test_the_users_choice_of_allocator_is_left_alone():
+    assert user_chose_allocator({}) is None
+    assert user_chose_allocator({"LD_PRELOAD": "", "GLIBC_TUNABLES": "glibc.rtld.nns=2"}) is None
+    assert user_chose_allocator({"MALLOC_ARENA_MAX": "2"}) == "MALLOC_ARENA_MAX"
+    assert user_chose_allocator({"MALLOC_TRIM_THRESHOLD_": "0"}) == "MALLOC_TRIM_THRESHOLD_"
+    assert user_chose_allocator({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}) == "GLIBC_TUNABLES"
+    assert user_chose_allocator({"LD_PRELOAD": "/usr/lib/libtcmalloc_minimal.so.4"}) == "LD_PRELOAD (tcmalloc)"
+    assert user_chose_allocator({"LD_PRELOAD": "libjemalloc.so.2"}) == "LD_PRELOAD (jemalloc)"
