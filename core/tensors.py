@@ -33,14 +33,27 @@ _UNSIGNED_BY_SIZE = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}
 
 
 def zeros_untouched(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """``torch.zeros``, except that on a CPU the memory comes from ``calloc`` (through numpy), so
-    the operating system hands out zero pages as they are first written instead of ``torch.zeros``
-    writing every byte up front: a 1 GiB KV cache costs nothing until it fills (about 1 s at
-    start-up otherwise, and its whole size in resident memory)."""
+    """``torch.zeros``, except that on a CPU the memory is a private anonymous ``mmap`` of its own,
+    so the operating system hands out zero pages as they are first written instead of
+    ``torch.zeros`` writing every byte up front: a 1 GiB KV cache costs nothing until it fills
+    (about 1 s at start-up otherwise, and its whole size in resident memory). Its own mapping, not
+    ``calloc``: with the engine's malloc settings (``paged.core.engine.cpu_malloc``) a calloc'd
+    block under their mmap threshold comes from the heap, which calloc clears by writing it.
+    Advised into 2 MiB pages where the system allows it, as numpy does for its large arrays."""
     device = torch.device(device)
     itemsize = torch.empty((), dtype=dtype).element_size()
     if device.type != "cpu" or itemsize not in _UNSIGNED_BY_SIZE or dtype.is_complex:
         return torch.zeros(shape, dtype=dtype, device=device)
+    import mmap
+
     import numpy as np
 
-    return torch.from_numpy(np.zeros(shape, dtype=_UNSIGNED_BY_SIZE[itemsize])).view(dtype)
+    nbytes = math.prod(shape) * itemsize
+    if nbytes == 0 or not hasattr(mmap, "MAP_PRIVATE"):  # (Windows: numpy's calloc)
+        return torch.from_numpy(np.zeros(shape, dtype=_UNSIGNED_BY_SIZE[itemsize])).view(dtype)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    # the array keeps the mapping (its base) alive, and the tensor the array: unmapped with the last of them
+    array = np.frombuffer(mapping, dtype=_UNSIGNED_BY_SIZE[itemsize]).reshape(shape)
+    return torch.from_numpy(array).view(dtype)

@@ -56,3 +56,49 @@ def test_the_users_choice_of_allocator_is_left_alone():
     assert user_chose_allocator({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}) == "GLIBC_TUNABLES"
     assert user_chose_allocator({"LD_PRELOAD": "/usr/lib/libtcmalloc_minimal.so.4"}) == "LD_PRELOAD (tcmalloc)"
     assert user_chose_allocator({"LD_PRELOAD": "libjemalloc.so.2"}) == "LD_PRELOAD (jemalloc)"
+
+
+def test_only_a_process_that_runs_the_model_on_the_cpu_sets_malloc(monkeypatch):
+    import torch
+
+    from paged.core.config import load_config
+    from paged.core.engine import tp_ranks
+
+    calls = []
+    monkeypatch.setattr(tp_ranks, "keep_freed_memory", lambda: calls.append("kept") or True)
+    config = load_config()
+    tp_ranks.configure_cpu_process(config, torch.device("meta"))  # not the CPU (as a GPU rank)
+    assert calls == []
+    tp_ranks.configure_cpu_process(config, torch.device("cpu"))
+    assert calls == ["kept"]
+
+
+# With the settings on, the KV cache (zeros_untouched: one tensor per layer for K and one for V,
+# 17 MiB each for the default model) must still cost no memory until written. From numpy's
+# calloc, under the new mmap threshold, 60 such blocks were resident at once (947 MiB).
+# Prints the resident growth in MiB.
+_KV_CACHE = textwrap.dedent("""
+    import torch
+    from paged.core.engine.cpu_malloc import keep_freed_memory
+    from paged.core.tensors import zeros_untouched
+    assert keep_freed_memory()
+
+    def resident():
+        return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+
+    before = resident()
+    layers = [zeros_untouched((1088, 8192), torch.bfloat16, "cpu") for _ in range(8)]  # 17 MiB each
+    grown = resident() - before
+    assert all(cache[::7, ::1021].abs().sum().item() == 0 for cache in layers)
+    layers[3][5, 9] = 1.5
+    assert sum(cache.sum().item() for cache in layers) == 1.5
+    print(grown)
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/statm")
+def test_the_kv_cache_costs_no_memory_until_written_with_the_settings_on():
+    done = subprocess.run([sys.executable, "-c", _KV_CACHE], capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr
+    assert float(done.stdout.split()[-1]) < 8, f"{done.stdout.split()[-1]} MiB resident for an unwritten 64 MiB cache"
