@@ -36,10 +36,17 @@ def zeros_untouched(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     """``torch.zeros``, except that on a CPU the memory is a private anonymous ``mmap`` of its own,
     so the operating system hands out zero pages as they are first written instead of
     ``torch.zeros`` writing every byte up front: a 1 GiB KV cache costs nothing until it fills
-    (about 1 s at start-up otherwise, and its whole size in resident memory). Its own mapping, not
-    ``calloc``: with the engine's malloc settings (``paged.core.engine.cpu_malloc``) a calloc'd
-    block under their mmap threshold comes from the heap, which calloc clears by writing it.
-    Advised into 2 MiB pages where the system allows it, as numpy does for its large arrays."""
+    (about 1 s at start-up otherwise, and its whole size in resident memory).
+
+    Its own mapping, not numpy's ``calloc``: with the engine's malloc settings
+    (``paged.core.engine.cpu_malloc``) calloc served the cache from the heap and cleared it by
+    writing it, all resident at start-up. And not advised into 2 MiB pages, as numpy advises its
+    large arrays: where transparent huge pages are on for advised memory only (the usual
+    ``madvise`` setting), a fault there may compact memory to find a huge page. On a 2-core Xeon
+    VM, writing 300 MiB took 3.0-3.3 s advised against 0.11-0.13 s in 4 KiB pages, and a B = 64
+    run's first use of its 283 MiB of cache cost ~3 s; decode and prefill steps once warm were
+    no faster in huge pages. A system set to ``always`` still uses huge pages for it as its
+    ``defrag`` setting allows."""
     device = torch.device(device)
     itemsize = torch.empty((), dtype=dtype).element_size()
     if device.type != "cpu" or itemsize not in _UNSIGNED_BY_SIZE or dtype.is_complex:
@@ -52,8 +59,6 @@ def zeros_untouched(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     if nbytes == 0 or not hasattr(mmap, "MAP_PRIVATE"):  # (Windows: numpy's calloc)
         return torch.from_numpy(np.zeros(shape, dtype=_UNSIGNED_BY_SIZE[itemsize])).view(dtype)
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        mapping.madvise(mmap.MADV_HUGEPAGE)
     # the array keeps the mapping (its base) alive, and the tensor the array: unmapped with the last of them
     array = np.frombuffer(mapping, dtype=_UNSIGNED_BY_SIZE[itemsize]).reshape(shape)
     return torch.from_numpy(array).view(dtype)
