@@ -4,6 +4,9 @@ prefill step's activations, freed and allocated again, is not faulted in again."
 from __future__ import annotations
 
 import ctypes
+import mmap
+import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -13,12 +16,12 @@ import pytest
 from paged.core.engine.cpu_malloc import user_chose_allocator
 
 # A 48 MiB block (above the 32 MiB that glibc's own threshold ever reaches) allocated, written and
-# freed three times; prints the page faults of the last two rounds.
+# freed three times with the settings on; prints the page faults of the last two rounds (24,578 on
+# a 2-core Xeon VM with glibc's defaults: each round's block a fresh mmap).
 _ROUNDS = textwrap.dedent("""
-    import ctypes, resource, sys
+    import ctypes, resource
     from paged.core.engine.cpu_malloc import keep_freed_memory
-    if sys.argv[1] == "keep":
-        assert keep_freed_memory()
+    assert keep_freed_memory()
     libc = ctypes.CDLL(None)
     libc.malloc.restype = ctypes.c_void_p
     libc.malloc.argtypes = [ctypes.c_size_t]
@@ -35,17 +38,30 @@ _ROUNDS = textwrap.dedent("""
 """)
 
 
-def _faults(mode: str) -> int:
-    env = {"PATH": "/usr/bin:/bin"}  # no MALLOC_* or LD_PRELOAD from the caller
-    done = subprocess.run([sys.executable, "-c", _ROUNDS, mode], capture_output=True, text=True, env=env, timeout=60)
+def _run(script: str) -> str:
+    """``script`` in a fresh interpreter, without the caller's malloc choices; its last word."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MALLOC_") and k not in ("LD_PRELOAD", "GLIBC_TUNABLES")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 0, done.stderr
-    return int(done.stdout.split()[-1])
+    return done.stdout.split()[-1]
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux")
+def _glibc_takes_the_settings() -> bool:
+    probe = "from paged.core.engine.cpu_malloc import keep_freed_memory; print(keep_freed_memory())"
+    return _run(probe) == "True"
+
+
+needs_glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+                                 reason="glibc's mallopt")
+
+
+@needs_glibc
 def test_a_freed_block_is_reused_without_new_page_faults():
-    pages = 48 * 2**20 // 4096
-    kept = _faults("keep")
+    if not _glibc_takes_the_settings():
+        pytest.skip("this glibc refuses a 256 MiB mmap threshold")
+    pages = 48 * 2**20 // os.sysconf("SC_PAGE_SIZE")
+    kept = int(_run(_ROUNDS))
     assert kept < pages // 20, f"{kept} page faults re-touching a freed 48 MiB block ({pages} pages)"
 
 
@@ -79,13 +95,14 @@ def test_only_a_process_that_runs_the_model_on_the_cpu_sets_malloc(monkeypatch):
 # calloc, under the new mmap threshold, 60 such blocks were resident at once (947 MiB).
 # Prints the resident growth in MiB.
 _KV_CACHE = textwrap.dedent("""
+    import os
     import torch
     from paged.core.engine.cpu_malloc import keep_freed_memory
     from paged.core.tensors import zeros_untouched
     assert keep_freed_memory()
 
     def resident():
-        return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
     before = resident()
     layers = [zeros_untouched((1088, 8192), torch.bfloat16, "cpu") for _ in range(8)]  # 17 MiB each
@@ -97,12 +114,12 @@ _KV_CACHE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/statm")
+@needs_glibc
 def test_the_kv_cache_costs_no_memory_until_written_with_the_settings_on():
-    done = subprocess.run([sys.executable, "-c", _KV_CACHE], capture_output=True, text=True, timeout=60,
-                          env={"PATH": "/usr/bin:/bin"})
-    assert done.returncode == 0, done.stderr
-    assert float(done.stdout.split()[-1]) < 8, f"{done.stdout.split()[-1]} MiB resident for an unwritten 64 MiB cache"
+    if not _glibc_takes_the_settings():
+        pytest.skip("this glibc refuses a 256 MiB mmap threshold")
+    grown = float(_run(_KV_CACHE))
+    assert grown < 8, f"{grown} MiB resident for unwritten caches of 136 MiB"
 
 
 def _vm_flags_of(address: int) -> list[str]:
@@ -118,12 +135,11 @@ def _vm_flags_of(address: int) -> list[str]:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps")
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE") or not os.path.isdir("/sys/kernel/mm/transparent_hugepage"),
+                    reason="transparent huge pages (Linux)")
 def test_the_kv_cache_is_not_advised_into_huge_pages():
     """numpy advises its large arrays into huge pages (VmFlags ``hg``), whose first faults may
     compact memory (3 s for 300 MiB on a 2-core VM, against 0.1 s in 4 KiB pages)."""
-    import mmap
-
     import torch
 
     from paged.core.tensors import zeros_untouched
