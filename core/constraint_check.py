@@ -105,13 +105,33 @@ class ConstraintValidator:
     verdict already reached, else the backend's own check (``spec.validate``, no tokenizer) and,
     outside a running event loop, the compile check. In a loop the caller awaits ``check_async``
     first (the server does), so that nothing here blocks it. Raises InvalidRequestError naming
-    ``structured_output.<field>``."""
+    ``structured_output.<field>``.
 
-    def __init__(self, config, spec, options) -> None:
+    ``spec`` and ``options`` (``resolve_structured_output``'s) may be left out: the API server's
+    front-end does not load the plugins (they import torch; its engine core checks the backend
+    before any weight loads), and resolves them here only if a request needs the backend's own
+    check, which the server's compile check before it makes rare."""
+
+    def __init__(self, config, spec=None, options=None) -> None:
         so = config.structured_output
-        self.config, self.spec, self.options = config, spec, options
+        self.config, self._spec, self._options = config, spec, options
         self.max_depth = so.max_schema_depth
         self.max_bytes = so.max_constraint_bytes
+
+    def _backend(self) -> tuple[Any, Any]:
+        if self._spec is None:
+            from paged.core.config import resolve_structured_output
+
+            self._spec, self._options = resolve_structured_output(self.config)
+        return self._spec, self._options
+
+    @property
+    def spec(self) -> Any:
+        return self._backend()[0]
+
+    @property
+    def options(self) -> Any:
+        return self._backend()[1]
 
     def __call__(self, params: StructuredOutputParams, model_info=None) -> None:
         check_bounds(params, self.max_depth, self.max_bytes)
@@ -121,7 +141,8 @@ class ConstraintValidator:
         known, error = checker.verdict(params)
         if not known:
             try:  # a malformed constraint is refused here, without starting a worker
-                self.spec.validate(params, self.options)
+                spec, options = self._backend()
+                spec.validate(params, options)
             except ValueError as e:
                 raise InvalidRequestError(str(e)) from None
             if not _in_event_loop():
@@ -421,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     setup = json.loads(sys.stdin.readline())
     try:
         from paged.core.config import EngineConfig, resolve_structured_output
-        from paged.core.loading.loader import load_tokenizer
+        from paged.core.loading.tokenizer import load_tokenizer
 
         spec, options = resolve_structured_output(EngineConfig(**setup["config"]))
         model = setup["model"]

@@ -55,14 +55,6 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
-def _device_for_check(config: EngineConfig) -> str:
-    if config.device != "auto":
-        return config.device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 # --- paged run ------------------------------------------------------------------------------
 def add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompts", nargs="*", help="prompts (default: --prompts-file, else stdin lines)")
@@ -108,7 +100,7 @@ def _read_prompts(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def _is_torchrun_worker(config: EngineConfig) -> bool:
     """Under torchrun: a rank that is not the first of its engine core's tensor-parallel group."""
-    from paged.core.engine.tp_ranks import torchrun_placement
+    from paged.core.engine.torchrun_env import torchrun_placement
 
     placement = torchrun_placement(config)
     return placement is not None and placement[1] != 0
@@ -120,12 +112,13 @@ def _torchrun_node(config: EngineConfig) -> EngineConfig:
     hosts the groups' rendezvous store) or a headless node with core g, both over
     ``data_parallel_address`` (default MASTER_ADDR)."""
     from paged.core.config import ParallelConfig
-    from paged.core.engine.tp_ranks import host_group_store, torchrun_placement
+    from paged.core.engine.torchrun_env import torchrun_placement
 
     placement = torchrun_placement(config)
     parallel = config.parallel
     if placement is None or parallel.data_parallel_size == 1:
         return config
+    from paged.core.engine.tp_ranks import host_group_store
     group = placement[0]
     node = {**parallel.model_dump(), "data_parallel_size_local": 1, "data_parallel_start_rank": group,
             "headless": group > 0, "data_parallel_address": parallel.data_parallel_address or os.environ["MASTER_ADDR"]}
@@ -302,11 +295,9 @@ def _round(v: float | None) -> float | None:
 
 # --- paged serve ----------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
-    from paged.core.config import resolve_plugins
     from paged.core.server import run_server
 
     config = engine_config_from_args(args)
-    resolve_plugins(config, device=_device_for_check(config))  # bad plugin names fail before anything starts
     if _is_torchrun_worker(config):
         return _run_torchrun_worker(config)
     config = _torchrun_node(config)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from paged.core.engine.torchrun_env import rendezvous_from_env  # noqa: F401 (its old home)
 from paged.core.errors import ConfigError
 
 
@@ -94,15 +95,6 @@ _tp = TensorParallel()
 
 def get_tp() -> TensorParallel:
     return _tp
-
-
-def rendezvous_from_env() -> tuple[int, int] | None:
-    """``(rank, world_size)`` when this process was started by torchrun (or by hand with the same
-    variables) as part of a group of more than one; else None."""
-    world = os.environ.get("WORLD_SIZE")
-    if world is None or int(world) <= 1:
-        return None
-    return int(os.environ.get("RANK", "0")), int(world)
 
 
 # Ranks other than 0 wait in a broadcast for as long as the server is idle: the group's timeout

@@ -55,7 +55,7 @@ class StructuredOutputManager:
     def _get_backend(self) -> StructuredOutputBackend:
         with self._lock:
             if self._backend is None:
-                from paged.core.loading.loader import load_tokenizer
+                from paged.core.loading.tokenizer import load_tokenizer
 
                 tokenizer = load_tokenizer(self.tokenizer_dir)
                 self._backend = self.spec.factory(tokenizer, self.vocab_size, self.eos_token_ids, self.options)

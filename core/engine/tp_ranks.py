@@ -36,8 +36,8 @@ from paged.core.engine.distributed import (
     TensorParallel,
     destroy_tensor_parallel,
     init_tensor_parallel,
-    rendezvous_from_env,
 )
+from paged.core.engine.torchrun_env import rendezvous_from_env, torchrun_placement
 from paged.core.errors import ConfigError, PagedError
 
 logger = logging.getLogger("paged")
@@ -236,23 +236,6 @@ def run_worker_from_env(config: EngineConfig) -> int:
 # request traffic goes over ZeroMQ as between any nodes (paged.core.ipc.nodes).
 _GROUP_KEY = "paged/tp-group/{}"
 _group_store_server = None  # torchrun rank 0's, alive while it serves
-
-
-def torchrun_placement(config: EngineConfig) -> tuple[int, int] | None:
-    """Under torchrun: (data-parallel rank, rank in its tensor-parallel group) of this process;
-    None without torchrun. ConfigError when WORLD_SIZE is neither tensor_parallel_size nor
-    data_parallel_size x tensor_parallel_size."""
-    launched = rendezvous_from_env()
-    if launched is None:
-        return None
-    rank, world = launched
-    tp, dp = config.parallel.tensor_parallel_size, config.parallel.data_parallel_size
-    if world != tp * dp:
-        raise ConfigError(
-            f"parallel.tensor_parallel_size: torchrun started WORLD_SIZE={world} processes, which must be "
-            f"data_parallel_size x tensor_parallel_size ({dp} x {tp} = {dp * tp}); pass --tensor-parallel-size "
-            f"{world // dp if world % dp == 0 else world} (with --data-parallel-size {dp if world % dp == 0 else 1})")
-    return divmod(rank, tp)
 
 
 def _store(is_master: bool):

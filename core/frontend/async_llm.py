@@ -34,6 +34,7 @@ import msgspec
 import zmq
 
 from paged.core.config import EngineConfig
+from paged.core.constraint_check import ConstraintValidator
 from paged.core.frontend.dp_router import DataParallelRouter
 from paged.core.frontend.dp_stats import combine_core_stats
 from paged.core.engine.model_info import ModelInfo
@@ -52,8 +53,7 @@ from paged.core.ipc.messages import (
 )
 from paged.core.errors import InvalidRequestError, PagedError, RequestRejectedError
 from paged.core.frontend.outputs import RequestOutput, RequestOutputKind
-from paged.core.frontend.processor import (InputProcessor, OutputProcessor, check_lora_request,
-                                           structured_output_validator)
+from paged.core.frontend.processor import InputProcessor, OutputProcessor, check_lora_request
 from paged.core.lora import LoRARequest
 from paged.core.frontend.request_state import RequestState, SampleState
 from paged.core.frontend.stats_observer import StatsObserver
@@ -79,7 +79,8 @@ class AsyncLLM:
         self.tokenizer = tokenizer
         # the model's generation_config.json sampling, for the fields a request leaves unset
         self.default_sampling = load_generation_defaults(self.model_info.model_dir)
-        self.input_processor = InputProcessor(tokenizer, self.model_info, structured_output_validator(config))
+        # Without the plugins (and torch): the engine core has checked the structured-output backend.
+        self.input_processor = InputProcessor(tokenizer, self.model_info, ConstraintValidator(config))
         self.output_processor = OutputProcessor()
         self.observer = observer or StatsObserver()
         self._utility_futures: dict[int, asyncio.Future] = {}
@@ -108,7 +109,7 @@ class AsyncLLM:
         """Start the core process, wait for its READY, load the tokenizer. Blocking; from an event
         loop, run it in a thread (``await asyncio.to_thread(AsyncLLM.from_config, config)``).
         Setting ``cancel`` stops the wait (and the core)."""
-        from paged.core.loading.loader import load_tokenizer
+        from paged.core.loading.tokenizer import load_tokenizer
 
         client = EngineCoreClient(config, start_timeout=start_timeout, cancel=cancel)
         try:

@@ -38,7 +38,7 @@ def check_offline_parallelism(config: EngineConfig) -> None:
 class LLMEngine:
     def __init__(self, config: EngineConfig, registry=None) -> None:
         from paged.core.loading.generation_config import load_generation_defaults
-        from paged.core.loading.loader import load_tokenizer
+        from paged.core.loading.tokenizer import load_tokenizer
 
         check_offline_parallelism(config)
         self.config = config

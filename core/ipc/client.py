@@ -166,6 +166,8 @@ class EngineCoreClient:
                 if isinstance(msg, CoreFailed):
                     if 0 <= msg.dp_rank < self.num_cores and self.procs[msg.dp_rank] is not None:
                         self.procs[msg.dp_rank].wait(30)
+                    if msg.config_error:  # as if this process had checked the settings itself
+                        raise ConfigError(msg.message)
                     raise EngineDeadError(f"the engine core{self._which(msg.dp_rank)} failed to start: {msg.message}")
                 if not isinstance(msg, Ready):
                     raise EngineDeadError(f"engine core handshake: expected READY, got {type(msg).__name__}")

@@ -52,7 +52,7 @@ import msgspec
 import zmq
 
 from paged.core.engine.child_process import is_orphaned, read_config_from_stdin
-from paged.core.errors import EngineError, PagedError, RequestRejectedError
+from paged.core.errors import ConfigError, EngineError, PagedError, RequestRejectedError
 from paged.core.lora import LoRARequest
 from paged.core.ipc.messages import (
     AbortRequests,
@@ -257,7 +257,9 @@ class EngineCoreProc:
             logger.error("core: start-up failed: %s", message)
             if not isinstance(e, PagedError):
                 traceback.print_exc()
-            self.dealer.send(self.encoder.encode(CoreFailed(message, self.dp_rank)))
+            if isinstance(e, ConfigError):  # the front-end reports it as its own: the message names the field
+                message = str(e)
+            self.dealer.send(self.encoder.encode(CoreFailed(message, self.dp_rank, isinstance(e, ConfigError))))
             self.close()
             return 1
         if self.stop.is_set() or self._orphaned():

@@ -99,6 +99,7 @@ class RequestFailed(msgspec.Struct, tag="failed", array_like=True):
 class CoreFailed(msgspec.Struct, tag="dead", array_like=True):
     message: str
     dp_rank: int = 0
+    config_error: bool = False  # a ConfigError at start-up: the settings are wrong (``message`` names the field)
 
 
 CoreMessage = Union[Ready, Outputs, UtilityResult, RequestFailed, CoreFailed, Heartbeat]

@@ -19,6 +19,7 @@ import torch
 
 from paged.core.errors import ConfigError, ModelLoadError
 from paged.core.loading.startup_times import phase
+from paged.core.loading.tokenizer import load_tokenizer  # noqa: F401 (its old home)
 
 logger = logging.getLogger("paged")
 
@@ -112,26 +113,6 @@ def model_architecture(hf_config: Any) -> str:
             "cannot tell which model implementation to use"
         )
     return str(archs[0])
-
-
-def load_tokenizer(model_dir: str | Path, revision: str | None = None) -> Any:
-    """``AutoTokenizer`` from a local directory, or a hub id's snapshot (through the hub cache)."""
-    with phase("tokenizer"):
-        return _load_tokenizer(model_dir, revision)
-
-
-def _load_tokenizer(model_dir: str | Path, revision: str | None) -> Any:
-    from paged.core.loading import config_snapshot, hub
-    from paged.core.loading.gguf import cache_dir
-
-    if hub.is_hub_id(str(model_dir)):
-        model_dir = hub.hub_model_dir(str(model_dir), revision)
-    try:
-        return config_snapshot.load_tokenizer(Path(model_dir), cache_dir())
-    except Exception as e:
-        raise ModelLoadError(
-            f"tokenizer: cannot load a tokenizer from {str(model_dir)!r}: {type(e).__name__}: {e}"
-        ) from e
 
 
 # ---- weights ---------------------------------------------------------------------------------

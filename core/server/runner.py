@@ -55,7 +55,8 @@ def run_server(config: EngineConfig, *, access_log: bool = False, log_level: str
                start_timeout: float = 600.0, make_trace_recorder: Callable[[], Any] | None = None) -> int:
     """Bind ``server.host:server.port`` (before the model loads, so a taken port fails at once),
     start the engine in the background and serve until SIGINT/SIGTERM. Returns an exit code: 0
-    after SIGINT/SIGTERM, 1 when the engine failed to start or died (and was not restarted)."""
+    after SIGINT/SIGTERM, 1 when the engine failed to start or died (and was not restarted), 2 when
+    its engine core found the settings wrong (a ConfigError, as every other command exits)."""
     import socket
 
     import uvicorn
@@ -87,5 +88,5 @@ def run_server(config: EngineConfig, *, access_log: bool = False, log_level: str
     finally:
         sock.close()
     state = app.state.paged
-    return 1 if state.start_error or state.exit_code else 0
+    return state.exit_code or (1 if state.start_error else 0)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from paged.core.config import EngineConfig
+from paged.core.errors import ConfigError
 from paged.core.frontend.async_llm import AsyncLLM
 from paged.core.frontend.stream import MergedStreams
 from paged.core.frontend.reasoning import reasoning_parser_for
@@ -48,7 +49,7 @@ class ServerState:
         self.inputs: PromptInputs | None = None
         self.draining = False  # SIGTERM came: new requests get 503, open ones may finish
         self.open_merges: set[MergedStreams] = set()  # one per request being answered
-        self.exit_code = 0  # 1 once the server stops because the engine died
+        self.exit_code = 0  # 1 once the server stops because the engine died, 2 when the settings are wrong
         self.stopping = asyncio.Event()  # the app is shutting down: no more restarts
         self.start_timeout = 600.0
         self.restarting: str | None = None  # why the engine is down while a restart is pending
@@ -105,6 +106,8 @@ class ServerState:
         except Exception as e:
             self.start_error = f"the engine failed to start: {e}"
             logger.error("%s", self.start_error)
+            if isinstance(e, ConfigError):  # bad settings: the exit code of every other command's
+                self.exit_code = 2
             self._stop_server()
             return
         if make_trace_recorder is not None:

@@ -545,6 +545,19 @@ def test_dead_core_fails_fast_then_the_server_exits(default_model_dir, tmp_path)
         assert "Traceback" not in log, log[-3000:]
 
 
+def test_settings_its_engine_core_refuses_exit_2_naming_the_field(default_model_dir):
+    """The API server's front-end loads no plugins (they import torch); its engine core checks the
+    policy, the attention backend and their options before any weight loads, and `paged serve`
+    exits 2 with the core's message, as `paged run` and `paged config` do."""
+    proc = subprocess.run([sys.executable, "-m", "paged.core.cli", "serve", "--model", default_model_dir, "--device", "cpu",
+                           "--host", "127.0.0.1", "--port", "0", "--policy", "priority", "--policy-option", "aging_s=-1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    error = proc.stderr[proc.stderr.find("ERROR paged: the engine failed to start"):]
+    assert "scheduler.policy_options.aging_s: Input should be greater than or equal to 0" in error, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "loaded LlamaForCausalLM" not in proc.stderr, proc.stderr[-3000:]
+
+
 def test_served_requests_are_recorded_as_a_lab_trace(server, client, model_name):
     from paged.core.lab.trace import read_trace
 

@@ -317,3 +317,18 @@ def test_a_deeply_nested_schema_is_refused_at_once_while_health_answers(server, 
                                             "guided_json": _nested_arrays(63)}, timeout=60)  # the limit: served
         assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("["), r.text
     assert_health_kept_answering(latencies, stall_s=12)  # the parse, were it on the loop: 12-29 s
+
+
+def test_the_front_end_never_loaded_torch(server, client):
+    """After every request above (constraints checked in its worker, tools, 400s), the API server's
+    own process has not loaded torch: only its engine core runs the model (1.1 s of CPU and ~300 MB
+    of memory a `paged serve` used to spend on it)."""
+    core_pid = server.debug()["core_pid"]
+    front_end = _mapped_files(server.proc.pid)
+    assert front_end and not any("libtorch" in path for path in front_end), sorted(front_end)
+    assert any("libtorch" in path for path in _mapped_files(core_pid))  # the check can see torch where it is
+
+
+def _mapped_files(pid: int) -> set[str]:
+    with open(f"/proc/{pid}/maps") as f:
+        return {line.split(maxsplit=5)[5].strip() for line in f if len(line.split(maxsplit=5)) == 6}
