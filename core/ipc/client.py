@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -23,6 +24,15 @@ from paged.core.ipc.messages import CoreFailed, EngineDeadError, Ready, Refused,
 logger = logging.getLogger("paged")
 
 
+# On Linux a GPU driver makes one of these (NVIDIA, WSL's GPU, ROCm): where none exists torch.cuda
+# finds no device, and the API server's front-end need not import torch (1 s) to learn it.
+_GPU_DRIVER_NODES = ("/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
+
+
+def no_gpu_driver() -> bool:
+    return sys.platform == "linux" and not any(os.path.exists(node) for node in _GPU_DRIVER_NODES)
+
+
 def _core_devices(config, local_index: int) -> dict[str, str]:
     """With several engine cores on GPUs, this node's ``local_index``-th core sees only its own
     ``tensor_parallel_size`` GPUs (that slice of the visible ones), so every core's ranks start at
@@ -32,6 +42,8 @@ def _core_devices(config, local_index: int) -> dict[str, str]:
         return {}  # (under torchrun each process takes the GPU of its LOCAL_RANK)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
+        if no_gpu_driver():
+            return {}
         import torch
 
         if not torch.cuda.is_available():

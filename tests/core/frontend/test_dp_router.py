@@ -346,3 +346,26 @@ def test_each_gpu_core_sees_its_own_slice_of_the_gpus(monkeypatch):
         "data_parallel_address": "127.0.0.1", "tensor_parallel_size": 2}})
     assert [_core_devices(node, r - 2) for r in node.parallel.local_ranks] == [{"CUDA_VISIBLE_DEVICES": "4,5"},
                                                                                {"CUDA_VISIBLE_DEVICES": "6,7"}]
+
+
+def test_cores_on_a_machine_without_a_gpu_driver_need_no_torch_to_know_it():
+    """``device: auto`` with two cores and no CUDA_VISIBLE_DEVICES: where no GPU driver's device
+    node exists the front-end gives the cores no GPU slice without importing torch, and torch
+    agrees that no GPU is there."""
+    import os
+    import subprocess
+    import sys
+
+    from paged.core.ipc.client import no_gpu_driver
+
+    if not no_gpu_driver():
+        pytest.skip("a GPU driver is installed here: the front-end asks torch")
+    script = ("import sys\nfrom paged.core.config import load_config\nfrom paged.core.ipc.client import _core_devices\n"
+              "config = load_config(None, {'parallel': {'data_parallel_size': 2}})\n"
+              "print(_core_devices(config, 1), 'torch' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["{}", "False"], out.stdout + out.stderr
+    import torch
+
+    assert not torch.cuda.is_available()
