@@ -109,29 +109,33 @@ class ConstraintValidator:
 
     ``spec`` and ``options`` (``resolve_structured_output``'s) may be left out: the API server's
     front-end does not load the plugins (they import torch; its engine core checks the backend
-    before any weight loads), and resolves them here only if a request needs the backend's own
-    check, which the server's compile check before it makes rare."""
+    before any weight loads). Outside an event loop they are then resolved on first use; in one
+    (``AsyncLLM``) they are not, as that would stall the loop for a second: a constraint
+    without a verdict gets only the bounded checks there, and the caller's ``check_async``
+    (which the server awaits first) runs the backend's own check in the worker."""
 
     def __init__(self, config, spec=None, options=None) -> None:
         so = config.structured_output
-        self.config, self._spec, self._options = config, spec, options
+        self.config = config
+        self._backend: tuple[Any, Any] | None = None if spec is None else (spec, options)  # set once, whole
         self.max_depth = so.max_schema_depth
         self.max_bytes = so.max_constraint_bytes
 
-    def _backend(self) -> tuple[Any, Any]:
-        if self._spec is None:
+    def backend(self) -> tuple[Any, Any]:
+        """(spec, options) of the configured backend, resolved through the plugins on first use."""
+        if self._backend is None:
             from paged.core.config import resolve_structured_output
 
-            self._spec, self._options = resolve_structured_output(self.config)
-        return self._spec, self._options
+            self._backend = resolve_structured_output(self.config)
+        return self._backend
 
     @property
     def spec(self) -> Any:
-        return self._backend()[0]
+        return self.backend()[0]
 
     @property
     def options(self) -> Any:
-        return self._backend()[1]
+        return self.backend()[1]
 
     def __call__(self, params: StructuredOutputParams, model_info=None) -> None:
         check_bounds(params, self.max_depth, self.max_bytes)
@@ -140,12 +144,14 @@ class ConstraintValidator:
         checker = _checker_for(self.config, model_info)
         known, error = checker.verdict(params)
         if not known:
-            try:  # a malformed constraint is refused here, without starting a worker
-                spec, options = self._backend()
-                spec.validate(params, options)
-            except ValueError as e:
-                raise InvalidRequestError(str(e)) from None
-            if not _in_event_loop():
+            in_loop = _in_event_loop()
+            if self._backend is not None or not in_loop:
+                spec, options = self.backend()
+                try:  # a malformed constraint is refused here, without starting a worker
+                    spec.validate(params, options)
+                except ValueError as e:
+                    raise InvalidRequestError(str(e)) from None
+            if not in_loop:
                 error = checker.future(params).result()
         if error:
             raise InvalidRequestError(error)

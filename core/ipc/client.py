@@ -24,9 +24,10 @@ from paged.core.ipc.messages import CoreFailed, EngineDeadError, Ready, Refused,
 logger = logging.getLogger("paged")
 
 
-# On Linux a GPU driver makes one of these (NVIDIA, WSL's GPU, ROCm): where none exists torch.cuda
-# finds no device, and the API server's front-end need not import torch (1 s) to learn it.
-_GPU_DRIVER_NODES = ("/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
+# On Linux a GPU driver makes one of these (NVIDIA, Jetson's nvgpu, WSL's GPU, ROCm): where none
+# exists torch.cuda finds no device, and the API server's front-end need not import torch (1 s) to
+# learn it. A node too many only means asking torch.
+_GPU_DRIVER_NODES = ("/dev/nvidiactl", "/dev/nvhost-ctrl-gpu", "/dev/nvmap", "/dev/dxg", "/dev/kfd")
 
 
 def no_gpu_driver() -> bool:
@@ -179,7 +180,7 @@ class EngineCoreClient:
                     if 0 <= msg.dp_rank < self.num_cores and self.procs[msg.dp_rank] is not None:
                         self.procs[msg.dp_rank].wait(30)
                     if msg.config_error:  # as if this process had checked the settings itself
-                        raise ConfigError(msg.message)
+                        raise ConfigError(f"{msg.message}{self._which(msg.dp_rank)}")
                     raise EngineDeadError(f"the engine core{self._which(msg.dp_rank)} failed to start: {msg.message}")
                 if not isinstance(msg, Ready):
                     raise EngineDeadError(f"engine core handshake: expected READY, got {type(msg).__name__}")

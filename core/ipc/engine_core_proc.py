@@ -261,7 +261,7 @@ class EngineCoreProc:
                 message = str(e)
             self.dealer.send(self.encoder.encode(CoreFailed(message, self.dp_rank, isinstance(e, ConfigError))))
             self.close()
-            return 1
+            return 2 if isinstance(e, ConfigError) else 1  # 2: bad settings, as the CLI (a headless node passes it on)
         if self.stop.is_set() or self._orphaned():
             if self._orphaned():
                 self._remove_orphaned_ipc_dir()

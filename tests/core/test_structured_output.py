@@ -322,6 +322,34 @@ def test_bounds_refuse_deep_and_large_constraints_without_walking_them():
         small(SO(regex="[a-z]" * 21))
 
 
+def test_a_validator_without_its_backend_resolves_it_outside_an_event_loop_only(default_model_dir):
+    """The API server builds its validator without the plugins (they import torch). Outside an
+    event loop its first use resolves the backend and runs the backend's own check: a malformed
+    regex is refused there, before any worker starts. In a loop (``AsyncLLM``) it leaves the
+    plugins alone (resolving them would stall the loop for a second) and the backend's check to
+    ``check_async``, which the server awaits first."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from paged.core.config import load_config
+    from paged.core.constraint_check import ConstraintValidator
+
+    info = SimpleNamespace(tokenizer_dir=default_model_dir, model_dir=default_model_dir, vocab_size=49152,
+                           eos_token_ids=[2])
+    malformed = SO(regex="(ab")
+    in_loop = ConstraintValidator(load_config())
+
+    async def add_request() -> None:
+        in_loop(malformed, info)
+
+    asyncio.run(add_request())
+    assert in_loop._backend is None
+    outside = ConstraintValidator(load_config())
+    with pytest.raises(InvalidRequestError, match=r"^structured_output\.regex"):
+        outside(malformed, info)
+    assert outside.spec.name == "xgrammar" and outside._backend is not None
+
+
 IGNORED_BY_XGRAMMAR = [  # (schema, the keyword its error names): xgrammar 0.2 drops each without an error
     ({"not": {}}, "not"), ({"type": "string", "not": {"const": "a"}}, "not"),
     ({"$ref": "http://127.0.0.1:1/x.json"}, "$ref"), ({"$ref": "other.json#/a"}, "$ref"),

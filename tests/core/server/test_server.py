@@ -553,7 +553,10 @@ def test_settings_its_engine_core_refuses_exit_2_naming_the_field(default_model_
                            "--host", "127.0.0.1", "--port", "0", "--policy", "priority", "--policy-option", "aging_s=-1"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    error = proc.stderr[proc.stderr.find("ERROR paged: the engine failed to start"):]
+    assert "ERROR paged (core): core: start-up failed: ConfigError" in proc.stderr, proc.stderr[-3000:]  # the core checked
+    marker = "ERROR paged: the engine failed to start: "
+    assert marker in proc.stderr, proc.stderr[-3000:]
+    error = proc.stderr.split(marker, 1)[1]
     assert "scheduler.policy_options.aging_s: Input should be greater than or equal to 0" in error, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "loaded LlamaForCausalLM" not in proc.stderr, proc.stderr[-3000:]
 
