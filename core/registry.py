@@ -159,11 +159,18 @@ def _comma_list(value: str | None) -> set[str] | None:
     return {item.strip() for item in value.split(",") if item.strip()}
 
 
-def _dist_of(ep: md.EntryPoint) -> tuple[str | None, str | None]:
+def _dist_of(ep: md.EntryPoint, seen: dict[str, tuple[str, str]]) -> tuple[str | None, str | None]:
+    """(name, version) of the entry point's distribution. ``seen``: by the distribution's path, as
+    each ``metadata`` read parses its METADATA file again (paged's own 8 entry points cost 16
+    parses, 0.05 s of every process that loads the plugins, before)."""
     dist = getattr(ep, "dist", None)
     if dist is None:
         return None, None
-    return dist.metadata["Name"], dist.version
+    key = str(getattr(dist, "_path", id(dist)))
+    if key not in seen:
+        metadata = dist.metadata
+        seen[key] = (metadata["Name"], metadata["Version"])
+    return seen[key]
 
 
 def load_plugins(
@@ -191,11 +198,12 @@ def load_plugins(
 
     candidates: list[tuple[PluginInfo, Any]] = []
     seen: set[str] = set()
+    distributions: dict[str, tuple[str, str]] = {}
     for ep in entry_points:
         if ep.name in seen:  # the same distribution seen twice on sys.path
             continue
         seen.add(ep.name)
-        dist, version = _dist_of(ep)
+        dist, version = _dist_of(ep, distributions)
         candidates.append((PluginInfo(ep.name, dist, version, ep.value), ep))
     for name, module in modules:
         candidates.append((PluginInfo(name, None, None, module.__name__), module))
