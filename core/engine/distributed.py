@@ -15,7 +15,6 @@ scheduler's decisions (small integer arrays) always goes over a gloo group, as i
 from __future__ import annotations
 
 import datetime
-import os
 from dataclasses import dataclass
 
 import numpy as np

@@ -257,11 +257,12 @@ class EngineCoreProc:
             logger.error("core: start-up failed: %s", message)
             if not isinstance(e, PagedError):
                 traceback.print_exc()
-            if isinstance(e, ConfigError):  # the front-end reports it as its own: the message names the field
+            bad_settings = isinstance(e, ConfigError)
+            if bad_settings:  # the front-end reports it as its own: the message names the field
                 message = str(e)
-            self.dealer.send(self.encoder.encode(CoreFailed(message, self.dp_rank, isinstance(e, ConfigError))))
+            self.dealer.send(self.encoder.encode(CoreFailed(message, self.dp_rank, bad_settings)))
             self.close()
-            return 2 if isinstance(e, ConfigError) else 1  # 2: bad settings, as the CLI (a headless node passes it on)
+            return 2 if bad_settings else 1  # 2 for bad settings, as the CLI's (a headless node passes it on)
         if self.stop.is_set() or self._orphaned():
             if self._orphaned():
                 self._remove_orphaned_ipc_dir()
