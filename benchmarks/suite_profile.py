@@ -17,12 +17,14 @@ that change no test's outcome:
   not inherit.
 
 A test file's CPU is its workers' CPU plus that of the processes started under its tests (a
-server of a module fixture counts for the test whose set-up started it). What
-no record covers (the launcher's children's total minus the records) is shown as not
-attributed: processes other than Python (bash, curl, compilers) and Python processes ended by
-``SIGKILL`` (a process ended by ``SIGTERM`` without a handler of its own is recorded by one this
-module installs, which then ends it by the same signal). Measure alone: another busy process
-makes every figure larger.
+server of a module fixture counts for the test whose set-up started it). What no record covers
+(the launcher's children's total minus the records) is not attributed to a test: processes
+other than Python (bash, curl, pip's builds) and Python processes ended by ``SIGKILL`` (a process
+ended by ``SIGTERM`` without a handler of its own is recorded by one this module installs, which
+then ends it by the same signal). Where ``/proc`` exists, a poller reads every descendant of
+the launcher each 0.2 s (its command and CPU seconds), and the report shows the ones no record
+covers by kind: the CPU each had at its last reading (a process's last 0.2 s are missed, and one
+that lives less long is not seen). Measure alone: another busy process makes every figure larger.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -74,11 +77,20 @@ def _record():
     try:
         with open(_out + "/processes.jsonl", "a") as f:
             f.write(json.dumps({"argv": sys.argv[:4], "test": _test, "wall": time.monotonic() - _started,
+                                "pid": os.getpid(), "start": _start_ticks(),
                                 "cpu": times.user + times.system,
                                 "pytest": not _test and ("PYTEST_XDIST_WORKER" in os.environ
                                                          or any("pytest" in a for a in sys.argv))}) + "\\n")
     except OSError:
         pass
+
+def _start_ticks():
+    """The process's start time in clock ticks since boot (/proc), which with the pid names it."""
+    try:
+        with open("/proc/self/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 def _on_sigterm(signum, frame):
     # SIGTERM's default action skips atexit: record, then die of the signal as before
@@ -111,6 +123,68 @@ def process_kind(argv: list[str]) -> str:
     return Path(words[0]).name
 
 
+class ProcessPoller:
+    """Every 0.2 s, each descendant of ``root`` in ``/proc``: its command and CPU seconds, by
+    (pid, start time). A descendant is a process whose parent is ``root`` or a descendant seen
+    before (one whose parent ended between two readings is missed)."""
+
+    def __init__(self, root: int, interval: float = 0.2) -> None:
+        self.root, self.interval = root, interval
+        self.seen: dict[tuple[int, int], dict] = {}
+        self._ours = {root}
+        self._stop = threading.Event()
+        self._ticks = os.sysconf("SC_CLK_TCK")
+        self._thread = threading.Thread(target=self._run, name="suite-profile-poller", daemon=True)
+
+    def __enter__(self) -> "ProcessPoller":
+        if os.path.isdir("/proc/self"):
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.poll()
+
+    def poll(self) -> None:
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            pid = int(name)
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                parent, start = int(fields[1]), int(fields[19])
+                cpu = (int(fields[11]) + int(fields[12])) / self._ticks
+                if pid not in self._ours and parent not in self._ours:
+                    continue
+                self._ours.add(pid)
+                entry = self.seen.setdefault((pid, start), {"argv": [], "cpu": 0.0})
+                entry["cpu"] = max(entry["cpu"], cpu)
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    argv = f.read().decode(errors="replace").split("\0")[:-1]
+                if argv:  # empty between fork and exec, or once it has exited
+                    entry["argv"] = argv
+            except (OSError, ValueError, IndexError):
+                continue  # it ended while being read
+
+
+def polled_kind(argv: list[str]) -> str:
+    """``process_kind`` of a command line read from ``/proc`` (the interpreter first, ``-m``
+    kept as a record's ``sys.argv`` would not)."""
+    if argv and Path(argv[0]).name.startswith("python"):
+        argv = argv[1:]
+        if argv[:2] == ["-m", "paged.core.cli"] or not argv or argv[0] == "-c":
+            return process_kind(argv)
+        if argv[0] == "-m" and len(argv) > 1:
+            return process_kind([argv[1].replace(".", "/") + ".py", *argv[2:]])
+    return process_kind(argv)
+
+
 def file_of(nodeid: str) -> str:
     return nodeid.split("::")[0] if nodeid else "(outside a test)"
 
@@ -121,7 +195,8 @@ def started_under(process: dict) -> str:
     return re.sub(r" \((setup|call|teardown)\)$", "", process["test"])
 
 
-def summarize(tests: list[dict], processes: list[dict], total_cpu: float, wall: float, top: int) -> dict:
+def summarize(tests: list[dict], processes: list[dict], total_cpu: float, wall: float, top: int,
+              polled: dict[tuple[int, int], dict] | None = None) -> dict:
     pytest = [p for p in processes if p["pytest"]]
     started = [p for p in processes if p["test"]]
     process_cpu_by_test: dict[str, float] = collections.defaultdict(float)
@@ -145,6 +220,13 @@ def summarize(tests: list[dict], processes: list[dict], total_cpu: float, wall: 
         row["count"] += 1
         row["cpu"] += p["cpu"]
     recorded = sum(p["cpu"] for p in processes)
+    recorded_ids = {(p.get("pid"), p.get("start")) for p in processes}
+    unrecorded: dict[str, dict[str, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
+    for key, entry in (polled or {}).items():
+        if key not in recorded_ids and entry["cpu"] > 0:
+            row = unrecorded[polled_kind(entry["argv"])]
+            row["count"] += 1
+            row["cpu"] += entry["cpu"]
     return {
         "wall_s": wall,
         "cpu_s": total_cpu,
@@ -156,6 +238,8 @@ def summarize(tests: list[dict], processes: list[dict], total_cpu: float, wall: 
         "not_attributed_cpu_s": max(0.0, total_cpu - recorded),
         "files": dict(sorted(per_file.items(), key=lambda kv: -kv[1]["cpu"])[:top]),
         "process_kinds": dict(sorted(kinds.items(), key=lambda kv: -kv[1]["cpu"])[:top]),
+        "polled": polled is not None,
+        "unrecorded_kinds": dict(sorted(unrecorded.items(), key=lambda kv: -kv[1]["cpu"])[:top]),
         "tests_by_cpu": sorted(({"test": t["test"], "wall": t["wall"], "cpu": t["cpu"] + process_cpu_by_test[t["test"]]}
                                 for t in tests), key=lambda t: -t["cpu"])[:top],
     }
@@ -175,6 +259,12 @@ def print_report(s: dict) -> None:
     print("\nProcesses the tests started, by kind (CPU s: total, mean each)")
     for name, row in s["process_kinds"].items():
         print(f"{row['cpu']:7.1f} {row['cpu'] / row['count']:5.2f} x {int(row['count']):3d}  {name}")
+    if s["polled"]:
+        seen = sum(row["cpu"] for row in s["unrecorded_kinds"].values())
+        print(f"\nNot attributed, as the /proc poller saw it: {seen:.0f} s in processes no record covers "
+              f"(CPU at their last reading), by kind (CPU s: total, mean each)")
+        for name, row in s["unrecorded_kinds"].items():
+            print(f"{row['cpu']:7.1f} {row['cpu'] / row['count']:5.2f} x {int(row['count']):3d}  {name}")
     print("\nTests by CPU (worker + the processes started under them; s)")
     for t in s["tests_by_cpu"]:
         print(f"{t['cpu']:7.1f} {t['wall']:7.1f}  {t['test']}")
@@ -204,7 +294,9 @@ def main() -> int:
         command = [sys.executable, "-m", "pytest", "-q", "-p", "paged_suite_profile_plugin", *args.pytest_args]
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         started = time.monotonic()
-        returncode = subprocess.run(command, cwd=REPO, env=env).returncode
+        launcher = subprocess.Popen(command, cwd=REPO, env=env)
+        with ProcessPoller(launcher.pid) as poller:
+            returncode = launcher.wait()
         wall = time.monotonic() - started
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         total_cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
@@ -213,7 +305,8 @@ def main() -> int:
             path = out / name
             return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
-        summary = summarize(read("tests.jsonl"), read("processes.jsonl"), total_cpu, wall, args.top)
+        summary = summarize(read("tests.jsonl"), read("processes.jsonl"), total_cpu, wall, args.top,
+                            poller.seen if os.path.isdir("/proc/self") else None)
     summary["pytest_returncode"] = returncode
     if args.json:
         print(json.dumps(summary, indent=2))

@@ -60,14 +60,19 @@ def test_no_test_hardcodes_a_checkout_path():
 
 def test_the_suite_profile_counts_each_test_and_the_processes_it_starts(tmp_path):
     """``benchmarks/suite_profile.py`` on a one-test suite whose test starts a Python process
-    that burns CPU: one test, that process under its file and kind, its CPU within the total."""
+    that burns CPU: one test, that process under its file and kind, its CPU within the total.
+    A second one spins until SIGKILL ends it, so no record covers it: the /proc poller sees it."""
     import json
 
     (tmp_path / "test_x.py").write_text(textwrap.dedent("""
-        import subprocess, sys
+        import subprocess, sys, time
 
         def test_starts_a_process():
             subprocess.run([sys.executable, "-c", "sum(i * i for i in range(3_000_000))"], check=True)
+            spinning = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            time.sleep(1.5)
+            spinning.kill()
+            spinning.wait()
     """))
     proc = subprocess.run(
         [sys.executable, str(REPO_ROOT / "benchmarks" / "suite_profile.py"), "--json", "--",
@@ -81,3 +86,7 @@ def test_the_suite_profile_counts_each_test_and_the_processes_it_starts(tmp_path
     assert list(summary["process_kinds"]) == ["python -c"]
     assert 0 < summary["started_process_cpu_s"] < summary["cpu_s"]
     assert summary["pytest_returncode"] == 0
+    if summary["polled"]:  # Linux
+        unrecorded = summary["unrecorded_kinds"]
+        assert list(unrecorded) == ["python -c"] and unrecorded["python -c"]["count"] == 1, unrecorded
+        assert 0.5 < unrecorded["python -c"]["cpu"] <= summary["not_attributed_cpu_s"] + 0.05, summary
