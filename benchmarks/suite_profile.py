@@ -178,10 +178,9 @@ def polled_kind(argv: list[str]) -> str:
     kept as a record's ``sys.argv`` would not)."""
     if argv and Path(argv[0]).name.startswith("python"):
         argv = argv[1:]
-        if argv[:2] == ["-m", "paged.core.cli"] or not argv or argv[0] == "-c":
-            return process_kind(argv)
-        if argv[0] == "-m" and len(argv) > 1:
-            return process_kind([argv[1].replace(".", "/") + ".py", *argv[2:]])
+        if len(argv) > 1 and argv[0] == "-m":  # as sys.argv has it: the module's file
+            module = argv[1].replace(".", "/")
+            argv = [module + ("/__main__.py" if module == "paged/core/cli" else ".py"), *argv[2:]]
     return process_kind(argv)
 
 
@@ -274,7 +273,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--top", type=int, default=25, help="rows of each table")
-    parser.add_argument("--out", type=Path, help="keep the raw records (tests.jsonl, processes.jsonl) here")
+    parser.add_argument("--out", type=Path, help="keep the raw records (tests.jsonl, processes.jsonl, "
+                        "polled.jsonl) here")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument("pytest_args", nargs="*", help="after --: pytest's arguments (default: the whole suite)")
     args = parser.parse_args()
@@ -282,7 +282,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="paged-suite-profile-") as tmp:
         out = args.out or Path(tmp) / "records"
         out.mkdir(parents=True, exist_ok=True)
-        for name in ("tests.jsonl", "processes.jsonl"):
+        for name in ("tests.jsonl", "processes.jsonl", "polled.jsonl"):
             (out / name).unlink(missing_ok=True)
         hooks = Path(tmp) / "hooks"
         hooks.mkdir()
@@ -305,8 +305,12 @@ def main() -> int:
             path = out / name
             return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
-        summary = summarize(read("tests.jsonl"), read("processes.jsonl"), total_cpu, wall, args.top,
-                            poller.seen if os.path.isdir("/proc/self") else None)
+        polled = poller.seen if os.path.isdir("/proc/self") else None
+        if polled is not None:
+            with open(out / "polled.jsonl", "w") as f:
+                for (pid, start), entry in polled.items():
+                    f.write(json.dumps({"pid": pid, "start": start, **entry}) + "\n")
+        summary = summarize(read("tests.jsonl"), read("processes.jsonl"), total_cpu, wall, args.top, polled)
     summary["pytest_returncode"] = returncode
     if args.json:
         print(json.dumps(summary, indent=2))
