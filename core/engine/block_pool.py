@@ -12,6 +12,11 @@ least recently used cached blocks, and of one sequence its last blocks, are evic
 freed block without a hash holds nothing to hit: it goes to the front, reused before any block
 never used yet (whose memory the operating system may not have handed out: a first touch faults
 it in) and before any cached block is evicted.
+
+Blocks never used yet are not objects yet: they wait in the queue as one range, in id order, at
+the place they held at the start (after blocks freed to the front since, before those freed to
+the tail), and ``popleft`` creates each as it reaches it. A KV budget of a few GiB for a small
+model is millions of blocks; creating and linking them all took about a second per engine.
 """
 
 from __future__ import annotations
@@ -37,44 +42,82 @@ class KVCacheBlock:
 
 class FreeBlockQueue:
     """Doubly linked list of free blocks with O(1) popleft, append, appendleft and
-    remove-from-the-middle (the last is what a prefix-cache hit on a free block needs)."""
+    remove-from-the-middle (the last is what a prefix-cache hit on a free block needs).
 
-    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+    ``blocks`` come first, in the given order; then ``num_unborn`` blocks that do not exist yet,
+    ids ``len(born)`` on (``born``: the blocks created so far, by id; default ``blocks``), which
+    ``popleft`` creates, appending each to ``born``, when it reaches them. While any is left, one marker node holds their place in the list."""
+
+    def __init__(self, blocks: list[KVCacheBlock], num_unborn: int = 0,
+                 born: list[KVCacheBlock] | None = None) -> None:
         self._head = KVCacheBlock(-1)  # sentinels: no None checks on the hot path
         self._tail = KVCacheBlock(-1)
         self._head.next_free = self._tail
         self._tail.prev_free = self._head
-        self.num_free_blocks = 0
+        self.num_free_blocks = 0  # unborn blocks included
         for block in blocks:
             self.append(block)
+        self._born = born if born is not None else list(blocks)
+        self.num_unborn = num_unborn  # read-only outside: blocks not created yet
+        self._unborn = KVCacheBlock(-2)
+        if num_unborn:
+            self._link(self._tail.prev_free, self._unborn, self._tail)
+            self.num_free_blocks += num_unborn
 
     def popleft(self) -> KVCacheBlock:
         block = self._head.next_free
-        if block is self._tail:
+        if block is self._unborn:
+            block = KVCacheBlock(len(self._born))
+            self._born.append(block)
+            self.num_unborn -= 1
+            if not self.num_unborn:
+                self._unlink(self._unborn)
+        elif block is self._tail:
             raise ValueError("no free blocks")
-        self.remove(block)
+        else:
+            self._unlink(block)
+        self.num_free_blocks -= 1
         return block
 
+    def bear_all(self) -> None:
+        """Create every unborn block in its place in the queue (for iteration and inspection)."""
+        if not self.num_unborn:
+            return
+        for _ in range(self.num_unborn):
+            block = KVCacheBlock(len(self._born))
+            self._born.append(block)
+            self._link(self._unborn.prev_free, block, self._unborn)
+        self.num_unborn = 0
+        self._unlink(self._unborn)
+
     def remove(self, block: KVCacheBlock) -> None:
-        block.prev_free.next_free = block.next_free
-        block.next_free.prev_free = block.prev_free
-        block.prev_free = block.next_free = None
+        self._unlink(block)
         self.num_free_blocks -= 1
 
     def append(self, block: KVCacheBlock) -> None:
         self._link(self._tail.prev_free, block, self._tail)
+        self.num_free_blocks += 1
 
     def appendleft(self, block: KVCacheBlock) -> None:
         self._link(self._head, block, self._head.next_free)
+        self.num_free_blocks += 1
 
-    def _link(self, before: KVCacheBlock, block: KVCacheBlock, after: KVCacheBlock) -> None:
+    @staticmethod
+    def _link(before: KVCacheBlock, block: KVCacheBlock, after: KVCacheBlock) -> None:
         before.next_free = block
         block.prev_free = before
         block.next_free = after
         after.prev_free = block
-        self.num_free_blocks += 1
+
+    @staticmethod
+    def _unlink(block: KVCacheBlock) -> None:
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
 
     def __iter__(self):
+        """The free blocks in queue order; creates the unborn ones first (O(number of blocks))."""
+        self.bear_all()
         block = self._head.next_free
         while block is not self._tail:
             yield block
@@ -100,10 +143,16 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_block_queue = FreeBlockQueue(self.blocks)
+        self._blocks: list[KVCacheBlock] = []  # by block id; grows as the free queue creates them
+        self.free_block_queue = FreeBlockQueue([], num_unborn=num_blocks, born=self._blocks)
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
         self.num_evictions = 0
+
+    @property
+    def blocks(self) -> list[KVCacheBlock]:
+        """Every block, indexed by id (creates those never used yet: for inspection, not the hot path)."""
+        self.free_block_queue.bear_all()
+        return self._blocks
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks

@@ -6,6 +6,7 @@ core/engine/kv_cache_manager.py docstrings).
 
 from __future__ import annotations
 
+import random
 import sys
 
 import pytest
@@ -111,6 +112,47 @@ def test_free_queue_operations_are_constant_time():
     small = _lines_per_op(100, 200)
     large = _lines_per_op(10_000, 200)
     assert small > 0 and large == small, (small, large)
+
+
+def test_blocks_never_used_are_created_in_queue_order_as_popleft_reaches_them():
+    """Random pops, frees to the front and to the tail and removals from the middle, on a queue
+    of 5 blocks followed by 300 not created yet, give the order a plain list gives (popleft takes
+    index 0); the queue creates a block only when popleft reaches it, in id order."""
+    rng = random.Random(7)
+    born = [KVCacheBlock(i) for i in range(5)]
+    q = FreeBlockQueue(list(born), num_unborn=300, born=born)
+    model = list(range(305))  # ids in queue order
+    taken: list[KVCacheBlock] = []
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.45 and model:
+            block = q.popleft()
+            assert block.block_id == model.pop(0)
+            taken.append(block)
+        elif op < 0.85 and taken:
+            block = taken.pop(rng.randrange(len(taken)))
+            to_front = rng.random() < 0.5
+            (q.appendleft if to_front else q.append)(block)
+            model.insert(0, block.block_id) if to_front else model.append(block.block_id)
+        elif free_created := [i for i in model if i < len(born)]:  # a cache hit on a free block
+            block_id = rng.choice(free_created)
+            q.remove(born[block_id])
+            model.remove(block_id)
+            taken.append(born[block_id])
+        assert len(q) == len(model)
+        assert [b.block_id for b in born] == list(range(len(born)))  # created in id order, once each
+        assert q.num_unborn == 305 - len(born) == sum(1 for i in model if i >= len(born))
+    assert 5 < len(born) < 305  # popleft reached the range, and some of it is still not created
+    assert [b.block_id for b in q] == model and q.num_unborn == 0 and len(born) == 305
+
+
+def test_a_pool_creates_only_the_blocks_it_hands_out():
+    pool = BlockPool(10_000_000)
+    assert pool.get_num_free_blocks() == 10_000_000 and pool.free_block_queue.num_unborn == 10_000_000
+    assert [b.block_id for b in pool.get_new_blocks(3)] == [0, 1, 2]
+    assert pool.free_block_queue.num_unborn == 10_000_000 - 3 and pool.get_num_free_blocks() == 10_000_000 - 3
+    with pytest.raises(ValueError):
+        pool.get_new_blocks(10_000_000)
 
 
 # --- allocation order, free order, LRU ---------------------------------------------------
