@@ -143,8 +143,11 @@ def build_app(config: EngineConfig, start_timeout: float = 600.0,
             info["front_end_unfinished_requests"] = llm.num_unfinished_requests
             info["model"] = {"name": state.served_model_name, **msgspec.structs.asdict(_ModelInfoView.of(llm))}
             if llm.is_alive:
-                with suppress(Exception):
+                try:
                     info["core"] = await llm.get_stats(timeout=5.0)
+                except Exception as e:  # a core too busy to answer within 5 s: say so, no stats
+                    info["stats_error"] = f"{type(e).__name__}: {e}".rstrip(": ")
+                else:
                     loads = llm.core_loads()
                     info["cores"] = [{"front_end_load": loads[stats["dp_rank"]], **stats}
                                      for stats in llm.last_core_stats]

@@ -67,27 +67,44 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
         time.sleep(interval)
 
 
+_http_client = None
+_http_client_lock = threading.Lock()
+
+
+def http():
+    """This process's one ``httpx.Client``. A module-level ``httpx.get`` builds a client per call,
+    and each client an SSL context from the CA bundle (~30 ms of CPU, even for plain http): a
+    server start polled /health 30-60 times. No connection is kept alive, so a request never
+    meets a socket of a server that an earlier test stopped."""
+    global _http_client
+    with _http_client_lock:
+        if _http_client is None:
+            import httpx
+
+            _http_client = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
+        return _http_client
+
+
 class Server:
     def __init__(self, proc: subprocess.Popen, port: int, log: Path) -> None:
         self.proc, self.port, self.log = proc, port, log
         self.url = f"http://127.0.0.1:{port}"
 
     def get(self, path: str, key: str | None = API_KEY, **kw):
-        import httpx
-
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        return httpx.get(self.url + path, timeout=30, headers={**headers, **kw.pop("headers", {})}, **kw)
+        return http().get(self.url + path, timeout=30, headers={**headers, **kw.pop("headers", {})}, **kw)
 
     def post(self, path: str, body, key: str | None = API_KEY, timeout=120):
-        import httpx
-
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         data = body if isinstance(body, (str, bytes)) else json.dumps(body)
-        return httpx.post(self.url + path, content=data, headers={**headers, "Content-Type": "application/json"},
+        return http().post(self.url + path, content=data, headers={**headers, "Content-Type": "application/json"},
                           timeout=timeout)
 
     def debug(self) -> dict:
-        return self.get("/debug/engine").json()
+        """/debug/engine, asked again while a core was too busy to send its stats in time (a
+        loaded machine): the tests read the stats."""
+        return wait_for(lambda: (info := self.get("/debug/engine").json()).get("stats_error") is None and info,
+                        120, "/debug/engine with the cores' stats")
 
     def metrics(self) -> dict[str, float]:
         out = {}
@@ -116,7 +133,7 @@ def serve(args: list[str], tmp: Path, port: int, env: dict[str, str] | None = No
             if proc.poll() is not None:
                 raise AssertionError(f"paged serve exited with {proc.returncode}:\n{server.log_tail()}")
             try:
-                return httpx.get(server.url + "/health", timeout=5).status_code == 200
+                return http().get(server.url + "/health", timeout=5).status_code == 200
             except httpx.HTTPError:
                 return False
 

@@ -197,6 +197,31 @@ def test_body_size_and_depth_limits(app_client):
     assert "nested too deeply" in _error(client.post("/v1/completions", content=deep, headers=headers), 400)["message"]
 
 
+def test_debug_engine_says_why_a_core_sent_no_stats(app_client):
+    """A core too busy to answer the stats call within its 5 s: /debug/engine still answers 200,
+    with what it knows and the reason instead of the stats (it used to drop them silently)."""
+    from types import SimpleNamespace
+
+    client, app = app_client
+
+    class Busy:  # what /debug/engine reads of an AsyncLLM
+        is_alive, core_pid, num_cores, core_pids, num_unfinished_requests, lost_ranks = True, 1, 1, [1], 3, {}
+        model_info = SimpleNamespace(model_dir="m", max_model_len=64, num_blocks=8, block_size=4)
+
+        async def get_stats(self, timeout):
+            raise TimeoutError(f"no answer from the engine core within {timeout:g} s")
+
+    state = app.state.paged
+    state.llm = Busy()
+    try:
+        r = client.get("/debug/engine", headers=_auth())
+    finally:
+        state.llm = None
+    info = r.json()
+    assert r.status_code == 200 and info["front_end_unfinished_requests"] == 3 and "core" not in info
+    assert info["stats_error"] == "TimeoutError: no answer from the engine core within 5 s"
+
+
 def test_unexpected_errors_are_openai_shaped(app_client):
     client, app = app_client
 
