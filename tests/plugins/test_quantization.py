@@ -1,6 +1,7 @@
 """Weight-only quantization: the GGUF block scales, the bundled int8/int4 methods, auto choice,
 memory, and the quantized model end to end through the engine."""
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -15,11 +16,16 @@ from paged.core.registry import get_registry
 from paged.plugins.quantization import Int4Options, WeightOnlyOptions, int4_group_codes, quantize_int4, quantize_int8
 
 
-def _gguf_tensor(name: str):
+@functools.cache
+def _gguf_reader():
+    """The default model's file, parsed once per process (gguf's reader parses the whole vocabulary)."""
     import gguf
 
-    reader = gguf.GGUFReader(str(gguf_loading.default_gguf_path()))
-    return next(t for t in reader.tensors if t.name == name)
+    return gguf.GGUFReader(str(gguf_loading.default_gguf_path()))
+
+
+def _gguf_tensor(name: str):
+    return next(t for t in _gguf_reader().tensors if t.name == name)
 
 
 def _q4_1_nibbles(raw: np.ndarray, rows: int) -> np.ndarray:

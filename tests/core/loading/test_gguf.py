@@ -8,9 +8,11 @@ only if the q/k de-permutation and the tensor renaming are right.
 
 from __future__ import annotations
 
+import json
 import os
 
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -434,6 +436,10 @@ def test_tokenizer_matches_hf_gguf_tokenizer(converted, hf_gguf_tokenizer):
     for text in ["Hello world", "  leading spaces\tand tabs\n", "digits 1234567 and ünïcödé — ok?", "日本語"]:
         assert ours(text)["input_ids"] == ref(text)["input_ids"]
     assert _chat_ids(ours) == _chat_ids(ref)
+    # the added tokens are in tokenizer_config.json, so a load does not parse tokenizer.json for them
+    assert "added_tokens_decoder" in json.loads((Path(converted[0]) / "tokenizer_config.json").read_text())
+    assert ({i: repr(t) for i, t in ours.added_tokens_decoder.items()}
+            == {i: repr(t) for i, t in ref.added_tokens_decoder.items()} != {})
     ids = _chat_ids(ours)
     assert ids[0] == ours.convert_tokens_to_ids("<|im_start|>")
     assert ours.decode(ids).endswith("<|im_start|>assistant\n")
