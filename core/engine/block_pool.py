@@ -45,8 +45,9 @@ class FreeBlockQueue:
     remove-from-the-middle (the last is what a prefix-cache hit on a free block needs).
 
     ``blocks`` come first, in the given order; then ``num_unborn`` blocks that do not exist yet,
-    ids ``len(born)`` on (``born``: the blocks created so far, by id; default ``blocks``), which
-    ``popleft`` creates, appending each to ``born``, when it reaches them. While any is left, one marker node holds their place in the list."""
+    ids ``len(born)`` on, which ``popleft`` creates when it reaches them, appending each to
+    ``born`` (the blocks created so far, ``born[i].block_id == i``; by default a copy of
+    ``blocks``). While any is left, one marker node holds their place in the list."""
 
     def __init__(self, blocks: list[KVCacheBlock], num_unborn: int = 0,
                  born: list[KVCacheBlock] | None = None) -> None:
@@ -61,6 +62,8 @@ class FreeBlockQueue:
         self.num_unborn = num_unborn  # read-only outside: blocks not created yet
         self._unborn = KVCacheBlock(-2)
         if num_unborn:
+            if any(b.block_id != i for i, b in enumerate(self._born)):
+                raise ValueError("born must hold the blocks with ids 0, 1, ... in order: new ids follow them")
             self._link(self._tail.prev_free, self._unborn, self._tail)
             self.num_free_blocks += num_unborn
 
@@ -115,6 +118,16 @@ class FreeBlockQueue:
         block.next_free.prev_free = block.prev_free
         block.prev_free = block.next_free = None
 
+    def block_ids(self):
+        """The free blocks' ids in queue order, the unborn ones included, creating none."""
+        block = self._head.next_free
+        while block is not self._tail:
+            if block is self._unborn:
+                yield from range(len(self._born), len(self._born) + self.num_unborn)
+            else:
+                yield block.block_id
+            block = block.next_free
+
     def __iter__(self):
         """The free blocks in queue order; creates the unborn ones first (O(number of blocks))."""
         self.bear_all()
@@ -152,6 +165,12 @@ class BlockPool:
     def blocks(self) -> list[KVCacheBlock]:
         """Every block, indexed by id (creates those never used yet: for inspection, not the hot path)."""
         self.free_block_queue.bear_all()
+        return self._blocks
+
+    @property
+    def created_blocks(self) -> list[KVCacheBlock]:
+        """The blocks created so far, indexed by id; those from ``len(created_blocks)`` on were
+        never used and are free."""
         return self._blocks
 
     def get_num_free_blocks(self) -> int:

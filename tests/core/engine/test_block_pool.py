@@ -6,6 +6,7 @@ core/engine/kv_cache_manager.py docstrings).
 
 from __future__ import annotations
 
+import itertools
 import random
 import sys
 
@@ -36,7 +37,8 @@ def admit(kv: KVCacheManager, request: Request, num_new: int | None = None):
 
 
 def queue_ids(pool: BlockPool) -> list[int]:
-    return [b.block_id for b in pool.free_block_queue]
+    """The free queue's order, without creating the blocks never used yet."""
+    return list(pool.free_block_queue.block_ids())
 
 
 # --- the free queue ----------------------------------------------------------------------
@@ -118,6 +120,8 @@ def test_blocks_never_used_are_created_in_queue_order_as_popleft_reaches_them():
     """Random pops, frees to the front and to the tail and removals from the middle, on a queue
     of 5 blocks followed by 300 not created yet, give the order a plain list gives (popleft takes
     index 0); the queue creates a block only when popleft reaches it, in id order."""
+    with pytest.raises(ValueError, match="born"):  # new ids would repeat 0, 1, ...
+        FreeBlockQueue([KVCacheBlock(3)], num_unborn=2)
     rng = random.Random(7)
     born = [KVCacheBlock(i) for i in range(5)]
     q = FreeBlockQueue(list(born), num_unborn=300, born=born)
@@ -139,7 +143,7 @@ def test_blocks_never_used_are_created_in_queue_order_as_popleft_reaches_them():
             q.remove(born[block_id])
             model.remove(block_id)
             taken.append(born[block_id])
-        assert len(q) == len(model)
+        assert len(q) == len(model) and list(q.block_ids()) == model  # the walk creates nothing
         assert [b.block_id for b in born] == list(range(len(born)))  # created in id order, once each
         assert q.num_unborn == 305 - len(born) == sum(1 for i in model if i >= len(born))
     assert 5 < len(born) < 305  # popleft reached the range, and some of it is still not created
@@ -151,6 +155,8 @@ def test_a_pool_creates_only_the_blocks_it_hands_out():
     assert pool.get_num_free_blocks() == 10_000_000 and pool.free_block_queue.num_unborn == 10_000_000
     assert [b.block_id for b in pool.get_new_blocks(3)] == [0, 1, 2]
     assert pool.free_block_queue.num_unborn == 10_000_000 - 3 and pool.get_num_free_blocks() == 10_000_000 - 3
+    assert [b.block_id for b in pool.created_blocks] == [0, 1, 2]
+    assert list(itertools.islice(pool.free_block_queue.block_ids(), 2)) == [3, 4]
     with pytest.raises(ValueError):
         pool.get_new_blocks(10_000_000)
 

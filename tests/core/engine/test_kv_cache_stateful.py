@@ -363,14 +363,19 @@ class KVCacheMachine(RuleBasedStateMachine):
             return
         kv, pool, sched, bs = self.kv, self.kv.block_pool, self.sched, self.bs
 
-        # Free queue: no duplicates, length = number of ref-0 blocks, free iff ref 0.
-        queue = list(pool.free_block_queue)
-        queue_ids = [b.block_id for b in queue]
+        # Free queue: no duplicates, length = number of ref-0 blocks, free iff ref 0. Read without
+        # creating the blocks never used yet (ids from len(created) on: all free, all queued), so
+        # that the examples run on the pool as the engine has it.
+        created = pool.created_blocks
+        queue_ids = list(pool.free_block_queue.block_ids())
         assert len(queue_ids) == len(set(queue_ids))
-        assert len(queue) == pool.free_block_queue.num_free_blocks == pool.get_num_free_blocks()
-        assert sum(1 for b in pool.blocks if b.ref_cnt == 0) == len(queue)
+        assert len(queue_ids) == pool.free_block_queue.num_free_blocks == pool.get_num_free_blocks()
+        assert len(created) + pool.free_block_queue.num_unborn == pool.num_blocks
+        assert [b.block_id for b in created] == list(range(len(created)))
+        assert sum(1 for b in created if b.ref_cnt == 0) + pool.free_block_queue.num_unborn == len(queue_ids)
         in_queue = set(queue_ids)
-        for b in pool.blocks:
+        assert in_queue >= set(range(len(created), pool.num_blocks))
+        for b in created:
             assert b.ref_cnt >= 0
             assert (b.block_id in in_queue) == (b.ref_cnt == 0), b
             if b.ref_cnt:
@@ -383,13 +388,14 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert len(ids) == len(set(ids)), f"{rid} holds a block twice"
             for i in ids:
                 holders[i] = holders.get(i, 0) + 1
-        for b in pool.blocks:
+        for b in created:
             assert b.ref_cnt == holders.get(b.block_id, 0), b
+        assert all(i < len(created) for i in holders)  # only created blocks are held
 
         # The hash map and the blocks agree.
         for h, b in pool.cached_block_hash_to_block.items():
             assert b.block_hash == h
-        for b in pool.blocks:
+        for b in created:
             if b.block_hash is not None:
                 assert pool.cached_block_hash_to_block[b.block_hash] is b
         if not kv.enable_caching:
