@@ -48,6 +48,7 @@ CONVERTER_VERSION = 6  # bump when the output of convert_gguf changes: old cache
 # 3: generation_config.json carries SmolLM2's recommended sampling for the embedded default model
 # 4: both of the above (the caches of every branch share one directory)
 # 5: every block type of gguf_blocks (K-quants too), with its codes and two-level scales
+# 6: tokenizer_config.json lists the added tokens (added_tokens_decoder; transformers 5 drops it)
 _MARKER = "paged_gguf.json"
 # per quantized weight: its codes, blocks' scale and offset and super-block scales (read by loading.quantize)
 BLOCK_SCALES_FILE = "gguf_block_scales.safetensors"
@@ -451,11 +452,13 @@ def _record_added_tokens(out_dir: Path) -> None:
     """Copy tokenizer.json's added tokens into tokenizer_config.json as ``added_tokens_decoder``
     (transformers 4 saved them there; 5 does not, and without them it parses the whole
     tokenizer.json in Python at every load to find them: ~40 ms of each start)."""
-    config_path = out_dir / "tokenizer_config.json"
+    config_path, tokenizer_path = out_dir / "tokenizer_config.json", out_dir / "tokenizer.json"
+    if not (config_path.is_file() and tokenizer_path.is_file()):
+        return  # not a tokenizers-backed tokenizer: nothing to find in tokenizer.json
     config = json.loads(config_path.read_text(encoding="utf-8"))
     if "added_tokens_decoder" in config:
         return
-    added = json.loads((out_dir / "tokenizer.json").read_text(encoding="utf-8")).get("added_tokens", [])
+    added = json.loads(tokenizer_path.read_text(encoding="utf-8")).get("added_tokens", [])
     config["added_tokens_decoder"] = {str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in added}
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 

@@ -144,13 +144,15 @@ def build_app(config: EngineConfig, start_timeout: float = 600.0,
             info["model"] = {"name": state.served_model_name, **msgspec.structs.asdict(_ModelInfoView.of(llm))}
             if llm.is_alive:
                 try:
-                    info["core"] = await llm.get_stats(timeout=5.0)
-                except Exception as e:  # a core too busy to answer within 5 s: say so, no stats
-                    info["stats_error"] = f"{type(e).__name__}: {e}".rstrip(": ")
-                else:
+                    core = await llm.get_stats(timeout=5.0)
                     loads = llm.core_loads()
-                    info["cores"] = [{"front_end_load": loads[stats["dp_rank"]], **stats}
-                                     for stats in llm.last_core_stats]
+                    cores = [{"front_end_load": loads[stats["dp_rank"]], **stats} for stats in llm.last_core_stats]
+                except Exception as e:  # e.g. a core too busy to answer in time: say why there are no stats
+                    detail = str(e) or ("no answer from the engine cores within 5 s"
+                                        if isinstance(e, TimeoutError) else "no message")
+                    info["stats_error"] = f"{type(e).__name__}: {detail}"
+                else:
+                    info["core"], info["cores"] = core, cores
             if llm.lost_ranks:
                 info["lost_cores"] = {str(rank): why for rank, why in llm.lost_ranks.items()}
         return info

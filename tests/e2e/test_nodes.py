@@ -135,7 +135,7 @@ def test_two_nodes_serve_as_one_engine_and_survive_a_lost_node(setup, tmp_path):
         with ThreadPoolExecutor(8) as pool:
             outs = list(pool.map(lambda p: complete(server, p), PROMPTS * 2))
         assert [text(o) for o in outs] == expected * 2
-        cores = server.debug()["cores"]
+        cores = server.debug(stats=True)["cores"]
         assert [c["dp_rank"] for c in cores] == [0, 1] and all(c["num_requests_added"] > 0 for c in cores), cores
         assert cores[0]["pid"] != cores[1]["pid"] and all(c["host"] for c in cores)
         metrics = server.metrics()
@@ -148,7 +148,7 @@ def test_two_nodes_serve_as_one_engine_and_survive_a_lost_node(setup, tmp_path):
             started = Barrier(9)
             running = [pool.submit(stream, server, PROMPTS[i % 4], LONG, started) for i in range(8)]
             started.wait(60)  # every request has its first token: all 8 run, 4 on each core
-            assert server.debug()["cores"][1]["num_running"] > 0
+            assert server.debug(stats=True)["cores"][1]["num_running"] > 0
             killed_at = time.monotonic()
             kill_node(node1, core_pid)
             results = [f.result() for f in running]
@@ -160,7 +160,7 @@ def test_two_nodes_serve_as_one_engine_and_survive_a_lost_node(setup, tmp_path):
         health = server.get("/health")
         assert health.status_code == 200 and health.json()["status"] == "degraded"
         assert list(health.json()["lost_cores"]) == ["1"] and server.metrics()["paged:engine_cores_serving"] == 1
-        survivor = server.debug()["core"]
+        survivor = server.debug(stats=True)["core"]
         assert survivor["num_free_blocks"] == survivor["num_blocks"]  # what the failed requests held is back
         assert text(complete(server, PROMPTS[0])) == expected[0]
 
@@ -170,7 +170,7 @@ def test_two_nodes_serve_as_one_engine_and_survive_a_lost_node(setup, tmp_path):
             with ThreadPoolExecutor(4) as pool:
                 outs = list(pool.map(lambda p: complete(server, p), PROMPTS))
             assert [text(o) for o in outs] == expected
-            assert [c["num_requests_added"] > 0 for c in server.debug()["cores"]] == [True, True]
+            assert [c["num_requests_added"] > 0 for c in server.debug(stats=True)["cores"]] == [True, True]
             server.proc.send_signal(signal.SIGTERM)
             assert server.proc.wait(60) == 0
             assert node1.wait(30) == 0  # no SIGTERM of its own: its core saw the API server go
@@ -282,7 +282,7 @@ def test_torchrun_launches_data_times_tensor_parallelism(setup, tmp_path):
         with ThreadPoolExecutor(4) as pool:
             outs = list(pool.map(lambda p: complete(server, p), PROMPTS))
         assert [text(o) for o in outs] == expected
-        assert [c["num_requests_added"] > 0 for c in server.debug()["cores"]] == [True, True]
+        assert [c["num_requests_added"] > 0 for c in server.debug(stats=True)["cores"]] == [True, True]
     finally:
         for p in launchers:
             if p.poll() is None:

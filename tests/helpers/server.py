@@ -98,11 +98,13 @@ class Server:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         data = body if isinstance(body, (str, bytes)) else json.dumps(body)
         return http().post(self.url + path, content=data, headers={**headers, "Content-Type": "application/json"},
-                          timeout=timeout)
+                           timeout=timeout)
 
-    def debug(self) -> dict:
-        """/debug/engine, asked again while a core was too busy to send its stats in time (a
-        loaded machine): the tests read the stats."""
+    def debug(self, stats: bool = False) -> dict:
+        """/debug/engine. ``stats``: the caller reads the cores' stats (``core``, ``cores``), so
+        ask again while the cores did not send them in time (``stats_error``: a loaded machine)."""
+        if not stats:
+            return self.get("/debug/engine").json()
         return wait_for(lambda: (info := self.get("/debug/engine").json()).get("stats_error") is None and info,
                         120, "/debug/engine with the cores' stats")
 

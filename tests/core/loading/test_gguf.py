@@ -436,10 +436,12 @@ def test_tokenizer_matches_hf_gguf_tokenizer(converted, hf_gguf_tokenizer):
     for text in ["Hello world", "  leading spaces\tand tabs\n", "digits 1234567 and ünïcödé — ok?", "日本語"]:
         assert ours(text)["input_ids"] == ref(text)["input_ids"]
     assert _chat_ids(ours) == _chat_ids(ref)
-    # the added tokens are in tokenizer_config.json, so a load does not parse tokenizer.json for them
-    assert "added_tokens_decoder" in json.loads((Path(converted[0]) / "tokenizer_config.json").read_text())
+    # tokenizer_config.json lists the added tokens as HF reads them from the GGUF file, so a load
+    # need not parse tokenizer.json for them
+    written = json.loads((Path(converted[0]) / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+    assert written == {str(i): t.__getstate__() for i, t in ref.added_tokens_decoder.items()} != {}
     assert ({i: repr(t) for i, t in ours.added_tokens_decoder.items()}
-            == {i: repr(t) for i, t in ref.added_tokens_decoder.items()} != {})
+            == {i: repr(t) for i, t in ref.added_tokens_decoder.items()})
     ids = _chat_ids(ours)
     assert ids[0] == ours.convert_tokens_to_ids("<|im_start|>")
     assert ours.decode(ids).endswith("<|im_start|>assistant\n")

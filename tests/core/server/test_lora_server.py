@@ -134,7 +134,7 @@ def test_load_then_unload_under_load(server, setup):
     assert "b" not in {m["id"] for m in server.get("/v1/models").json()["data"]}
     r = server.post("/v1/unload_lora_adapter", {"lora_name": "b"})
     assert r.status_code == 404
-    core = server.debug()["core"]
+    core = server.debug(stats=True)["core"]
     assert core["num_free_blocks"] == core["num_blocks"]
     # loaded again under the same name it gets a new id: its requests still match HF
     assert server.post("/v1/load_lora_adapter", {"lora_name": "b", "lora_path": "b"}).status_code == 200

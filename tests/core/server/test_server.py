@@ -362,7 +362,7 @@ def test_64_concurrent_streaming_clients(server, model_name, offline):
 
     results = asyncio.run(main())
     assert all(got == want for got, want in results), [(g, w) for g, w in results if g != w][:3]
-    debug = server.debug()
+    debug = server.debug(stats=True)
     assert debug["front_end_unfinished_requests"] == 0
     assert debug["core"]["num_free_blocks"] == debug["core"]["num_blocks"] == NUM_BLOCKS
 

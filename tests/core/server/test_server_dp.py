@@ -46,7 +46,7 @@ def _core_args(port: int) -> list[str]:
 
 
 def _cores(server) -> list[dict]:
-    return server.debug()["cores"]
+    return server.debug(stats=True)["cores"]
 
 
 def _added(server) -> list[int]:
@@ -127,13 +127,13 @@ def test_concurrent_batch_equals_one_core_and_uses_both(dp_server, one_core):
     added = [a - b for a, b in zip(_added(dp_server), before)]
     assert sum(added) == 6 + 6 * 2  # every core request was sent to exactly one core
     assert all(n >= 4 for n in added), added  # both served, neither starved (slack 2 per pick)
-    debug = dp_server.debug()
+    debug = dp_server.debug(stats=True)
     assert debug["front_end_unfinished_requests"] == 0 and _all_blocks_back(dp_server)
     assert debug["core"]["num_blocks"] == DP * NUM_BLOCKS and debug["core"]["pids"] == dp_server.core_pids
     metrics = dp_server.metrics()
     assert metrics["paged:num_kv_blocks"] == DP * NUM_BLOCKS
     for rank in range(DP):
-        host = dp_server.debug()["cores"][rank]["host"]
+        host = dp_server.debug(stats=True)["cores"][rank]["host"]
         assert metrics[f'paged:core_requests_added_total{{dp_rank="{rank}",host="{host}"}}'] == _added(dp_server)[rank]
     assert metrics["paged:engine_cores_serving"] == DP
 
@@ -224,7 +224,7 @@ def test_one_dead_core_kills_the_engine_then_both_restart(default_model_dir, tmp
                                              extra_body={"ignore_eos": True}) for p in PROMPTS[:2]]
         for stream in streams:
             next(iter(stream))
-        assert [c["front_end_load"] for c in s.debug()["cores"]] == [1, 1]
+        assert [c["front_end_load"] for c in s.debug(stats=True)["cores"]] == [1, 1]
         os.kill(pids[1], signal.SIGKILL)
         start = time.monotonic()
         for stream in streams:  # the request on the surviving core fails too

@@ -93,7 +93,7 @@ def test_restart_after_core_death(default_model_dir, tmp_path):
         assert out.usage.completion_tokens == 4
 
         def all_blocks_free():
-            debug = s.debug()
+            debug = s.debug(stats=True)
             return (debug["front_end_unfinished_requests"] == 0
                     and debug["core"]["num_free_blocks"] == debug["core"]["num_blocks"] == NUM_BLOCKS)
 
