@@ -15,8 +15,8 @@ it in) and before any cached block is evicted.
 
 Blocks never used yet are not objects yet: they wait in the queue as one range, in id order, at
 the place they held at the start (after blocks freed to the front since, before those freed to
-the tail), and ``popleft`` creates each as it reaches it. A KV budget of a few GiB for a small
-model is millions of blocks; creating and linking them all took about a second per engine.
+the tail), and ``popleft`` creates each as it reaches it. The CPU's default 1 GiB budget holds
+a million 4-token blocks of a tiny model; creating and linking them all took 0.87 s per engine.
 """
 
 from __future__ import annotations
