@@ -24,11 +24,21 @@ import argparse
 import random
 import statistics
 import time
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from paged.backends.torch_attention import TorchAttentionBackend, TorchAttentionOptions
-from paged.core.attention import AttentionLayout, BatchInputs
+    from paged.core.attention import BatchInputs
+
+
+def _import_torch() -> None:
+    """torch and the backend, imported once the arguments are read: ``--help`` answers at once."""
+    global torch, TorchAttentionBackend, TorchAttentionOptions, AttentionLayout, BatchInputs
+    import torch
+
+    from paged.backends.torch_attention import TorchAttentionBackend, TorchAttentionOptions
+    from paged.core.attention import AttentionLayout, BatchInputs
 
 
 def decode_batch(seq_lens: list[int], block_size: int, num_blocks: int, device: torch.device) -> BatchInputs:
@@ -158,6 +168,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30, help="--kernel-sweep: layers per round (SmolLM2-135M: 30)")
     parser.add_argument("--rounds", type=int, default=5, help="--kernel-sweep: rounds per configuration")
     args = parser.parse_args()
+    _import_torch()
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, device {args.device}")
     if args.kernel_sweep:
         kernel_sweep(args.layers, args.rounds)

@@ -5,7 +5,8 @@ What runs, outside the plugin sections (SECTIONS_TESTED_ELSEWHERE, whose example
 their own):
 
 - each ``bash`` block, command by command; a ``paged serve`` line starts in the background on a
-  free port and the block's other lines (curl) run against it;
+  free port and the block's other lines (curl) run against it (a bare ``paged serve``, the
+  command of ``readme_server`` below, runs against that one: one start for all of them);
 - each ``python`` block, as a script; one that talks to ``127.0.0.1:8000`` gets a ``paged serve``
   of the default model (``readme_server``);
 - each command in the text: a ``paged ...`` or ``python benchmarks/...`` in backticks, and each
@@ -258,9 +259,11 @@ def _on_port(command: str, port: int | None) -> str:
     return command.replace("localhost:8000", f"localhost:{port}").replace("127.0.0.1:8000", f"127.0.0.1:{port}")
 
 
-def run_block(commands: list[Command], cwd: Path) -> list[tuple[Command, str]]:
+def run_block(commands: list[Command], cwd: Path, shared_server=None) -> list[tuple[Command, str]]:
     """Run one bash block's commands; returns (command, stdout) of each that ran (servers and
-    exports aside)."""
+    exports aside). ``shared_server()`` (the port of ``readme_server``) serves a block whose
+    server is that one's command, ``paged serve`` with at most a ``--port``, in the same
+    environment: one server start instead of one per block."""
     env = _env(cwd)
     outputs = []
     port = None
@@ -274,7 +277,11 @@ def run_block(commands: list[Command], cwd: Path) -> list[tuple[Command, str]]:
             if prepared is None:
                 continue
             if prepared.startswith("paged serve"):
-                port = stack.enter_context(background_server(prepared, cwd, env))
+                same_as_shared = re.fullmatch(r"paged serve( --port \d+)?", prepared) and env == _env(cwd)
+                if shared_server is not None and same_as_shared:
+                    port = shared_server()
+                else:
+                    port = stack.enter_context(background_server(prepared, cwd, env))
                 continue
             outputs.append((command, _bash(_on_port(prepared, port), cwd, env).stdout))
     return outputs
@@ -343,8 +350,8 @@ def readme_server(workdir):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(BLOCKS)), ids=[b[0].text.split()[0] + f"-{i}" for i, b in enumerate(BLOCKS)])
-def test_readme_bash_block_runs(index, workdir):
-    for command, out in run_block(BLOCKS[index], workdir):
+def test_readme_bash_block_runs(index, workdir, request):
+    for command, out in run_block(BLOCKS[index], workdir, lambda: request.getfixturevalue("readme_server")):
         if command.text.startswith("curl"):
             # an answer (choices, embeddings, scores, results, a response's output, tokens or text),
             # not an error document (a response carries "error": null)
