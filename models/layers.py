@@ -217,11 +217,14 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 def prepack_cpu_linears(model: nn.Module) -> int:
     """Give every linear layer (and the LM head) a oneDNN-packed copy of its weight, used by its
-    forward from then on. For bfloat16 on CPUs: there the packed GEMM is 1.3-2.3x faster than
-    ``F.linear`` for 1-64 rows (decode batches), with the same results (measured on this
-    2-core AMX machine; no gain for float32). A layer's dense weight is released afterwards
-    unless another module shares it (a tied LM head keeps the embedding's). Returns the number
-    of layers packed (0 where oneDNN is unavailable)."""
+    forward from then on. For bfloat16 on CPUs: there the packed GEMM is faster than
+    ``F.linear`` at 1-64 rows (decode batches), with the same results: 1.07-1.18x for a step's
+    layer weights read from memory and 1.4-1.7x for the LM head (``benchmarks/dense_gemm.py``,
+    this 2-core AMX machine). Not for float32: there it is 1.1-2.7x faster at 4-64 rows but
+    9-22% slower at one row, the batch-1 decode, and keeping both layouts would double the
+    weights. A layer's dense weight is released afterwards unless another module shares it (a
+    tied LM head keeps the embedding's). Returns the number of layers packed (0 where oneDNN is
+    unavailable)."""
     if not torch.backends.mkldnn.is_available():
         return 0
     users: dict[int, int] = {}
