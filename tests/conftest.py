@@ -173,8 +173,9 @@ def pytest_configure(config):
 def pytest_collection_finish(session):
     # What collection imported (torch, transformers, hypothesis, every test module: ~500,000
     # objects) lives as long as this process. Frozen, the collector stops walking all of it at
-    # each full collection: the Python-heavy files (test_kv_cache_stateful, test_scheduler,
-    # test_sampler) took 13-18% less CPU. Objects made later are collected as before.
+    # each full collection: test_kv_cache_stateful, test_scheduler and test_sampler run alone
+    # took 12-18% less CPU; in the whole suite the workers' CPU stayed within noise (304 -> 298
+    # s, two runs side by side). Objects made later are collected as before.
     import gc
 
     gc.collect()
