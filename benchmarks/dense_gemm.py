@@ -59,7 +59,10 @@ def main() -> None:
 
             def layers(weights, fn):
                 for qkv, o, gate_up, down in weights:
-                    fn(x_in, qkv), fn(x_in, o), fn(x_in, gate_up), fn(x_down, down)
+                    fn(x_in, qkv)
+                    fn(x_in, o)
+                    fn(x_in, gate_up)
+                    fn(x_down, down)
 
             def lm_head(weight, fn):
                 flush.add_(1.0)
